@@ -1,0 +1,187 @@
+#include "ipc/fd_server.h"
+
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cinttypes>
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "common/check.h"
+#include "ipc/fdpass.h"
+#include "platform/process.h"
+#include "shm/registry.h"
+
+namespace torch_mp_ext {
+
+namespace {
+
+constexpr double SERVER_IO_TIMEOUT = 5.0;  // a client that stalls longer is dropped
+
+struct Request {
+  uint64_t segment_id;
+  uint64_t secret;
+};
+
+socklen_t make_address(const std::string& address, sockaddr_un* out) {
+  TMX_CHECK_VALUE(!address.empty() && address[0] == '@' &&
+                      address.size() < sizeof(out->sun_path),
+                  "invalid fd-server address '", address, "'");
+  std::memset(out, 0, sizeof(*out));
+  out->sun_family = AF_UNIX;
+  // Abstract namespace: sun_path[0] == '\0', the rest is the name (not NUL-terminated).
+  std::memcpy(out->sun_path + 1, address.data() + 1, address.size() - 1);
+  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address.size());
+}
+
+void set_io_timeout(int fd, double seconds) {
+  if (seconds < 0) return;
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(seconds);
+  tv.tv_usec = static_cast<suseconds_t>((seconds - static_cast<double>(tv.tv_sec)) * 1e6);
+  if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1000;
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+}  // namespace
+
+FdServer& FdServer::instance() {
+  static auto* server = new FdServer();  // leaked: its thread may outlive static destructors
+  return *server;
+}
+
+std::string FdServer::address() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!address_.empty()) return address_;
+  char name[64];
+  std::snprintf(name, sizeof(name), "@tmx-%d-%016" PRIx64, static_cast<int>(self_pid()),
+                random_u64());
+  UniqueFd fd(TMX_SYSCHECK(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), "socket",
+                           "fd server"));
+  sockaddr_un addr;
+  socklen_t len = make_address(name, &addr);
+  TMX_SYSCHECK(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), len), "bind", name);
+  TMX_SYSCHECK(::listen(fd.get(), 128), "listen", name);
+  int raw = fd.get();
+  std::thread([this, raw] { serve(raw); }).detach();
+  listen_fd_ = std::move(fd);
+  address_ = name;
+  return address_;
+}
+
+void FdServer::atfork_child() {
+  // mu_ was locked by atfork_prepare() in the thread that forked, which is this thread now.
+  listen_fd_.reset();
+  address_.clear();
+  mu_.unlock();
+}
+
+void FdServer::serve(int listen_fd) {
+  for (;;) {
+    int conn = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (conn < 0) {
+      if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE ||
+          errno == ENOBUFS || errno == ENOMEM) {
+        if (errno != EINTR && errno != ECONNABORTED) ::usleep(10000);  // back off, retry
+        continue;
+      }
+      return;  // the socket was closed (fork child, shutdown): the server ends
+    }
+    UniqueFd guard(conn);
+    try {
+      answer(conn);
+    } catch (...) {
+      // A misbehaving client must not end the server; it just gets no fd.
+    }
+  }
+}
+
+void FdServer::answer(int conn) {
+  set_io_timeout(conn, SERVER_IO_TIMEOUT);
+  ucred cred{};
+  socklen_t cred_len = sizeof(cred);
+  int32_t status = 0;
+  if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0 ||
+      (cred.uid != ::geteuid() && cred.uid != 0)) {
+    status = EACCES;
+  }
+  Request req{};
+  size_t got = 0;
+  while (status == 0 && got < sizeof(req)) {
+    ssize_t n = ::recv(conn, reinterpret_cast<char*>(&req) + got, sizeof(req) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    got += static_cast<size_t>(n);
+  }
+  UniqueFd fd;
+  if (status == 0) {
+    fd.reset(Registry::instance().dup_fd_for(req.segment_id, req.secret));
+    if (!fd.valid()) status = ENOENT;
+  }
+  int raw = fd.get();
+  send_fds(conn, &status, sizeof(status), fd.valid() ? &raw : nullptr, fd.valid() ? 1 : 0);
+}
+
+UniqueFd fetch_fd(const std::string& address, uint64_t segment_id, uint64_t secret,
+                  pid_t owner_pid, double timeout) {
+  std::string resource = detail::str_cat("shared memory segment ", segment_id,
+                                         " of process ", owner_pid, " (fd server ", address,
+                                         ")");
+  UniqueFd sock(TMX_SYSCHECK(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), "socket",
+                             resource));
+  set_io_timeout(sock.get(), timeout);
+  sockaddr_un addr;
+  socklen_t len = make_address(address, &addr);
+  for (;;) {
+    if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len) == 0) break;
+    int err = errno;
+    if (err == EINTR) continue;
+    std::string hint;
+    if (err == ECONNREFUSED || err == ENOENT) {
+      hint = detail::str_cat(
+          "the process that created it (pid ", owner_pid,
+          ") has exited before this process received the tensor. With the file_descriptor "
+          "strategy the sender must stay alive until receivers have rebuilt what it sent; "
+          "keep it alive (join it after the receiver is done) or use "
+          "set_sharing_strategy('file_system')");
+    }
+    throw SyscallError(err, "connect", resource, hint);
+  }
+  Request req{segment_id, secret};
+  size_t sent = 0;
+  while (sent < sizeof(req)) {
+    ssize_t n = ::send(sock.get(), reinterpret_cast<const char*>(&req) + sent,
+                       sizeof(req) - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw SyscallError(errno, "send", resource);
+    sent += static_cast<size_t>(n);
+  }
+  int32_t status = -1;
+  std::vector<UniqueFd> fds;
+  size_t n = 0;
+  try {
+    n = recv_fds(sock.get(), &status, sizeof(status), &fds, 1);
+  } catch (const SyscallError& e) {
+    if (e.err() == EAGAIN || e.err() == EWOULDBLOCK) {
+      throw SyscallError(ETIMEDOUT, "recvmsg", resource,
+                         detail::str_cat("process ", owner_pid, " did not answer within ",
+                                         timeout, " s"));
+    }
+    throw;
+  }
+  if (n != sizeof(status) || status != 0 || fds.size() != 1) {
+    int err = (n == sizeof(status) && status > 0) ? status : EPROTO;
+    throw SyscallError(err, "fetch_fd", resource,
+                       err == ENOENT ? "the owner no longer has this segment (it was freed)"
+                                     : "the owner refused or answered malformed data");
+  }
+  return std::move(fds[0]);
+}
+
+}  // namespace torch_mp_ext

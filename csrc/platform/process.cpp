@@ -1,0 +1,110 @@
+#include "platform/process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/random.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "common/check.h"
+#include "common/unique_fd.h"
+
+namespace torch_mp_ext {
+
+uint64_t process_start_time(pid_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
+  UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return 0;
+  char buf[1024];
+  ssize_t n;
+  do {
+    n = ::read(fd.get(), buf, sizeof(buf) - 1);
+  } while (n < 0 && errno == EINTR);
+  if (n <= 0) return 0;
+  buf[n] = '\0';
+  // The command name (field 2) may contain spaces and ')' : fields restart after the last ')'.
+  char* p = std::strrchr(buf, ')');
+  if (p == nullptr) return 0;
+  p += 2;  // skip ") ", now at field 3 (state)
+  for (int field = 3; field < 22 && *p; ++field) {
+    p = std::strchr(p, ' ');
+    if (p == nullptr) return 0;
+    ++p;
+  }
+  return std::strtoull(p, nullptr, 10);
+}
+
+bool process_alive(pid_t pid, uint32_t start_time_low32) {
+  if (pid <= 0) return false;
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  if (start_time_low32 == 0) return true;
+  uint64_t st = process_start_time(pid);
+  if (st == 0) return false;  // vanished between kill() and the read, or a zombie being reaped
+  return static_cast<uint32_t>(st) == start_time_low32;
+}
+
+uint64_t pid_namespace_id() {
+  struct stat st;
+  if (::stat("/proc/self/ns/pid", &st) != 0) return 0;
+  return static_cast<uint64_t>(st.st_ino);
+}
+
+namespace {
+pid_t g_pid = 0;
+uint64_t g_key = 0;
+}  // namespace
+
+void refresh_self_after_fork() {
+  g_pid = ::getpid();
+  g_key = (static_cast<uint64_t>(static_cast<uint32_t>(g_pid)) << 32) |
+          static_cast<uint32_t>(process_start_time(g_pid));
+}
+
+pid_t self_pid() {
+  if (g_pid == 0 || g_pid != ::getpid()) refresh_self_after_fork();
+  return g_pid;
+}
+
+uint64_t self_key() {
+  self_pid();
+  return g_key;
+}
+
+uint64_t random_u64() {
+  for (;;) {
+    uint64_t value = 0;
+    ssize_t n = ::getrandom(&value, sizeof(value), 0);
+    if (n == static_cast<ssize_t>(sizeof(value))) {
+      if (value != 0) return value;
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    throw SyscallError(n < 0 ? errno : EIO, "getrandom", "64 random bits");
+  }
+}
+
+void set_pdeathsig(int sig) {
+  TMX_CHECK_VALUE(sig >= 0 && sig < 65, "set_pdeathsig: invalid signal number ", sig);
+  TMX_SYSCHECK(::prctl(PR_SET_PDEATHSIG, static_cast<unsigned long>(sig)), "prctl",
+               "PR_SET_PDEATHSIG");
+}
+
+size_t page_size() {
+  static const size_t size = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+uint64_t fd_limit() {
+  struct rlimit rl;
+  if (::getrlimit(RLIMIT_NOFILE, &rl) != 0) return 0;
+  return static_cast<uint64_t>(rl.rlim_cur);
+}
+
+}  // namespace torch_mp_ext

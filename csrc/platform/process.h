@@ -1,0 +1,38 @@
+// Process facts the core needs: identity that survives pid reuse, liveness, randomness.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+
+namespace torch_mp_ext {
+
+/// Start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22); 0 if unknown.
+uint64_t process_start_time(pid_t pid);
+
+/// True if `pid` exists and, when `start_time_low32` != 0, started at that time (low 32 bits),
+/// so a recycled pid does not count as the same process.
+bool process_alive(pid_t pid, uint32_t start_time_low32 = 0);
+
+/// Identity of this process's pid namespace (inode of /proc/self/ns/pid); 0 if unknown.
+uint64_t pid_namespace_id();
+
+/// This process: pid and (pid << 32 | low 32 bits of start time). Recomputed after fork.
+pid_t self_pid();
+uint64_t self_key();
+void refresh_self_after_fork();
+
+/// 64 random bits from getrandom(2) (never 0).
+uint64_t random_u64();
+
+/// prctl(PR_SET_PDEATHSIG, sig): this process gets `sig` when its parent thread exits.
+void set_pdeathsig(int sig);
+
+/// Size in bytes of a memory page.
+size_t page_size();
+
+/// RLIMIT_NOFILE soft limit (for error messages).
+uint64_t fd_limit();
+
+}  // namespace torch_mp_ext

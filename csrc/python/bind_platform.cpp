@@ -1,0 +1,29 @@
+#include <pybind11/stl.h>
+
+#include "platform/process.h"
+#include "python/bindings.h"
+
+namespace py = pybind11;
+
+namespace torch_mp_ext::python {
+
+void init_platform(py::module_& m) {
+  m.def("set_pdeathsig", &set_pdeathsig, py::arg("signum"),
+        R"pbdoc(prctl(PR_SET_PDEATHSIG, signum): get `signum` when the parent thread exits.)pbdoc");
+  m.def("process_start_time", &process_start_time, py::arg("pid"),
+        R"pbdoc(Start time of `pid` in clock ticks since boot, 0 if unknown.)pbdoc");
+  m.def(
+      "process_alive",
+      [](int pid, uint64_t start_time) {
+        return process_alive(pid, static_cast<uint32_t>(start_time));
+      },
+      py::arg("pid"), py::arg("start_time") = 0,
+      R"pbdoc(True if `pid` exists (and started at `start_time` when given).)pbdoc");
+  m.def("pid_namespace_id", &pid_namespace_id);
+  m.def("holder_key", &self_key,
+        R"pbdoc(This process's identity: pid << 32 | low 32 bits of its start time.)pbdoc");
+  m.def("fd_limit", &fd_limit, R"pbdoc(The RLIMIT_NOFILE soft limit.)pbdoc");
+  m.def("page_size", &page_size);
+}
+
+}  // namespace torch_mp_ext::python

@@ -1,0 +1,168 @@
+// Blocks, handles and the arena (Note [Segment layout], Note [Block lifetime]).
+#include <pybind11/stl.h>
+
+#include "python/bindings.h"
+#include "shm/arena.h"
+#include "shm/reaper.h"
+#include "shm/registry.h"
+
+namespace py = pybind11;
+
+namespace torch_mp_ext::python {
+
+namespace {
+
+// A handle crosses Python as a plain tuple (cheap to pickle):
+// (named, segment_id, secret, segment_size, index, generation, owner_pid, location)
+py::tuple to_tuple(const Handle& h) {
+  return py::make_tuple(h.named, h.segment_id, h.secret, h.size, h.index, h.generation,
+                        h.owner_pid, h.location);
+}
+
+Handle from_tuple(const py::tuple& t) {
+  if (t.size() != 8) {
+    throw py::value_error("a torch_mp_ext block handle is an 8-tuple, got " +
+                          std::to_string(t.size()) + " items");
+  }
+  Handle h;
+  h.named = t[0].cast<bool>();
+  h.segment_id = t[1].cast<uint64_t>();
+  h.secret = t[2].cast<uint64_t>();
+  h.size = t[3].cast<uint64_t>();
+  h.index = t[4].cast<uint32_t>();
+  h.generation = t[5].cast<uint32_t>();
+  h.owner_pid = t[6].cast<int32_t>();
+  h.location = t[7].cast<std::string>();
+  return h;
+}
+
+}  // namespace
+
+void init_shm(py::module_& m) {
+  py::class_<BlockRef>(m, "Block", py::buffer_protocol(), R"pbdoc(
+    One counted reference to a shared-memory block. The buffer protocol exposes its bytes
+    (writable, zero-copy); the reference is dropped when the object dies.
+  )pbdoc")
+      .def_buffer([](BlockRef& b) -> py::buffer_info {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.capacity())}, {1}, false);
+      })
+      .def_property_readonly("address",
+                             [](const BlockRef& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_property_readonly("capacity", &BlockRef::capacity)
+      .def_property_readonly("index", &BlockRef::index)
+      .def_property_readonly("generation", &BlockRef::generation)
+      .def_property_readonly("segment_id", [](const BlockRef& b) { return b.mapping()->id(); })
+      .def_property_readonly("named", [](const BlockRef& b) { return b.mapping()->named(); })
+      .def_property_readonly("name",
+                             [](const BlockRef& b) -> py::object {
+                               if (!b.mapping()->named()) return py::none();
+                               return py::str(b.mapping()->name());
+                             })
+      .def_property_readonly("refcount",
+                             [](const BlockRef& b) {
+                               return b.mapping()->slots()[b.index()].refcount.load();
+                             })
+      .def("share", [](const BlockRef& b) { return to_tuple(b.share()); },
+           R"pbdoc(A handle tuple carrying one new reference (for a message in flight).)pbdoc");
+
+  m.def(
+      "allocate",
+      [](size_t nbytes, bool named) {
+        py::gil_scoped_release nogil;
+        return Arena::instance().allocate(nbytes, named);
+      },
+      py::arg("nbytes"), py::arg("named") = false,
+      R"pbdoc(A new block of at least `nbytes` bytes: anonymous and pooled, or named.)pbdoc");
+  m.def(
+      "attach",
+      [](const py::tuple& handle, double timeout) {
+        Handle h = from_tuple(handle);
+        py::gil_scoped_release nogil;
+        return Registry::instance().attach(h, timeout);
+      },
+      py::arg("handle"), py::arg("timeout") = 60.0,
+      R"pbdoc(Rebuilds a handle into a Block, taking over the reference it carried.)pbdoc");
+  m.def(
+      "release_handle",
+      [](const py::tuple& handle, double timeout) {
+        Handle h = from_tuple(handle);
+        py::gil_scoped_release nogil;
+        Registry::instance().release_handle(h, timeout);
+      },
+      py::arg("handle"), py::arg("timeout") = 60.0,
+      R"pbdoc(Drops the reference a handle carries without keeping the block.)pbdoc");
+  m.def(
+      "share_address",
+      [](uintptr_t address, size_t nbytes) -> py::object {
+        Handle h;
+        size_t offset = 0;
+        if (!Registry::instance().share_address(address, nbytes, &h, &offset)) {
+          return py::none();
+        }
+        return py::make_tuple(to_tuple(h), offset);
+      },
+      py::arg("address"), py::arg("nbytes"),
+      R"pbdoc((handle, offset) for memory inside a live block of this process, else None.)pbdoc");
+  m.def(
+      "contains",
+      [](uintptr_t address, size_t nbytes) { return Registry::instance().contains(address, nbytes); },
+      py::arg("address"), py::arg("nbytes"),
+      R"pbdoc(True if the memory lies inside one live block this process maps.)pbdoc");
+  m.def("empty_cache", [] { return Arena::instance().empty_cache(); },
+        R"pbdoc(Retires every owned segment with no live block; returns bytes released.)pbdoc");
+  m.def("set_cache_limit", [](size_t bytes) { Arena::instance().set_cache_limit(bytes); },
+        py::arg("nbytes"));
+  m.def("class_size", &Arena::class_size, py::arg("nbytes"));
+  m.def("arena_stats", [] {
+    ArenaStats a = Arena::instance().stats();
+    RegistryStats r = Registry::instance().stats();
+    py::dict d;
+    d["segments"] = a.segments;
+    d["reserved_bytes"] = a.reserved_bytes;
+    d["cached_free_bytes"] = a.cached_free_bytes;
+    d["live_blocks"] = a.live_blocks;
+    d["cache_limit"] = a.cache_limit;
+    d["mapped_segments"] = r.mapped_segments;
+    d["mapped_bytes"] = r.mapped_bytes;
+    d["live_refs"] = r.live_refs;
+    d["idle_mappings"] = r.idle_mappings;
+    d["refcount_underflows"] = r.refcount_underflows;
+    return d;
+  });
+  m.def("release_all", [] { Registry::instance().release_all(); },
+        R"pbdoc(Drops every block reference this process holds (interpreter exit).)pbdoc");
+  m.def(
+      "set_anonymous_backend",
+      [](const std::string& name) {
+        if (name == "memfd") {
+          set_anonymous_backend(AnonymousBackend::Memfd);
+        } else if (name == "shm") {
+          set_anonymous_backend(AnonymousBackend::ShmUnlinked);
+        } else {
+          throw py::value_error("anonymous backend must be 'memfd' or 'shm', got '" + name +
+                                "'");
+        }
+      },
+      py::arg("name"));
+  m.def("anonymous_backend", [] {
+    return anonymous_backend() == AnonymousBackend::Memfd ? "memfd" : "shm";
+  });
+  m.def(
+      "reap_dead_segments",
+      [](const std::string& directory, const std::string& prefix, bool dry_run,
+         bool include_inflight) {
+        ReapOptions o;
+        o.directory = directory;
+        o.prefix = prefix;
+        o.dry_run = dry_run;
+        o.include_inflight = include_inflight;
+        py::gil_scoped_release nogil;
+        return reap_dead_segments(o);
+      },
+      py::arg("directory") = "/dev/shm", py::arg("prefix") = "torch_",
+      py::arg("dry_run") = false, py::arg("include_inflight") = false,
+      R"pbdoc(Unlinks our named segments whose holders are all dead; returns their names.)pbdoc");
+}
+
+}  // namespace torch_mp_ext::python

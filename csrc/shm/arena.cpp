@@ -1,0 +1,193 @@
+#include "shm/arena.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "common/check.h"
+#include "ipc/fd_server.h"
+
+namespace torch_mp_ext {
+
+namespace {
+
+uint64_t next_pow2(uint64_t n) {
+  uint64_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+uint64_t round_up(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
+
+void init_allocated(Mapping& m, uint32_t index) {
+  BlockSlot& slot = m.slots()[index];
+  slot.generation.fetch_add(1, std::memory_order_acq_rel);
+  slot.refcount.store(1, std::memory_order_release);
+  m.header()->live_blocks.fetch_add(1, std::memory_order_acq_rel);
+}
+
+bool fully_free(const Mapping& m) {
+  return m.header()->live_blocks.load(std::memory_order_acquire) == 0;
+}
+
+}  // namespace
+
+Arena& Arena::instance() {
+  static auto* arena = new Arena();  // leaked: see Registry::instance()
+  return *arena;
+}
+
+Arena::Arena() {
+  if (const char* env = std::getenv("TORCH_MP_EXT_ARENA_CACHE_BYTES")) {
+    char* end = nullptr;
+    unsigned long long value = std::strtoull(env, &end, 10);
+    if (end != env && *end == '\0') cache_limit_ = static_cast<size_t>(value);
+  }
+}
+
+uint64_t Arena::class_size(size_t nbytes) {
+  if (nbytes <= MIN_BLOCK) return MIN_BLOCK;
+  if (nbytes <= SMALL_MAX) return next_pow2(nbytes);
+  uint64_t granule = next_pow2(nbytes) / 8;
+  if (granule < 4096) granule = 4096;
+  return round_up(nbytes, granule);
+}
+
+uint32_t Arena::blocks_per_segment(uint64_t block_size) {
+  if (block_size > SMALL_MAX) return 1;
+  return static_cast<uint32_t>(SLAB_BYTES / block_size);
+}
+
+std::unique_ptr<BlockRef> Arena::take_locked(const std::shared_ptr<Mapping>& mapping) {
+  uint32_t index = free_pop(mapping->header());
+  if (index == NO_BLOCK) return nullptr;
+  init_allocated(*mapping, index);
+  auto& registry = Registry::instance();
+  std::lock_guard<std::mutex> lock(registry.mutex());
+  return registry.adopt_locked(mapping, index);
+}
+
+std::shared_ptr<Mapping> Arena::new_segment_locked(uint64_t block_size) {
+  std::string address = FdServer::instance().address();
+  SegmentSpec spec;
+  spec.kind = SegmentKind::Arena;
+  spec.block_size = block_size;
+  spec.nblocks = blocks_per_segment(block_size);
+  spec.named = false;
+  spec.flags = FLAG_FREE_ON_ZERO;
+  std::shared_ptr<Mapping> mapping;
+  try {
+    mapping = create_segment(spec);
+  } catch (const SyscallError& e) {
+    if (e.err() != ENOSPC && e.err() != ENOMEM) throw;
+    if (trim_locked(0) == 0) throw;
+    mapping = create_segment(spec);  // the cache held the room we needed
+  }
+  std::snprintf(mapping->header()->name, NAME_CAPACITY, "%s", address.c_str());
+  pools_[block_size].push_back(mapping);
+  auto& registry = Registry::instance();
+  std::lock_guard<std::mutex> lock(registry.mutex());
+  registry.add_owned_locked(mapping);
+  return mapping;
+}
+
+std::unique_ptr<BlockRef> Arena::allocate(size_t nbytes, bool named) {
+  TMX_CHECK_VALUE(nbytes > 0, "cannot allocate an empty shared-memory block");
+  TMX_CHECK_VALUE(nbytes <= (size_t{1} << 46), "shared-memory block of ", nbytes,
+                  " bytes is larger than the 64 TiB this arena supports");
+  if (named) {
+    SegmentSpec spec;
+    spec.kind = SegmentKind::Arena;
+    spec.block_size = round_up(nbytes, BLOCK_ALIGNMENT);
+    spec.nblocks = 1;
+    spec.named = true;
+    spec.flags = FLAG_UNLINK_ON_ZERO;
+    auto mapping = create_segment(spec);
+    uint32_t index = free_pop(mapping->header());
+    init_allocated(*mapping, index);
+    auto& registry = Registry::instance();
+    std::lock_guard<std::mutex> lock(registry.mutex());
+    registry.add_owned_locked(mapping);
+    mapping->owned = false;  // never pooled: unmapped with its last local reference
+    return registry.adopt_locked(mapping, index);
+  }
+  uint64_t block_size = class_size(nbytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& pool = pools_[block_size];
+  // Newest segments first: they are the likeliest to have free blocks and hot pages.
+  for (auto it = pool.rbegin(); it != pool.rend(); ++it) {
+    if (auto ref = take_locked(*it)) return ref;
+  }
+  size_t cached = 0;
+  for (auto& [size, segments] : pools_) {
+    for (auto& m : segments) {
+      if (fully_free(*m)) cached += m->size();
+    }
+  }
+  if (cached > cache_limit_) trim_locked(cache_limit_ / 2);
+  auto mapping = new_segment_locked(block_size);
+  auto ref = take_locked(mapping);
+  TMX_CHECK(ref != nullptr, "a new segment had no free block");
+  return ref;
+}
+
+size_t Arena::trim_locked(size_t keep_bytes) {
+  size_t cached = 0;
+  for (auto& [size, segments] : pools_) {
+    for (auto& m : segments) {
+      if (fully_free(*m)) cached += m->size();
+    }
+  }
+  size_t released = 0;
+  auto& registry = Registry::instance();
+  std::lock_guard<std::mutex> lock(registry.mutex());
+  // Largest classes first: they free the most memory per retired segment.
+  for (auto pool = pools_.rbegin(); pool != pools_.rend() && cached > keep_bytes; ++pool) {
+    auto& segments = pool->second;
+    for (auto it = segments.begin(); it != segments.end() && cached > keep_bytes;) {
+      if (fully_free(**it)) {
+        cached -= (*it)->size();
+        released += (*it)->size();
+        registry.retire_locked(*it);
+        it = segments.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  return released;
+}
+
+size_t Arena::empty_cache() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return trim_locked(0);
+}
+
+ArenaStats Arena::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ArenaStats s;
+  s.cache_limit = cache_limit_;
+  for (auto& [size, segments] : pools_) {
+    for (auto& m : segments) {
+      ++s.segments;
+      s.reserved_bytes += m->size();
+      uint32_t live = m->header()->live_blocks.load(std::memory_order_acquire);
+      s.live_blocks += live;
+      if (live == 0) s.cached_free_bytes += m->size();
+    }
+  }
+  return s;
+}
+
+void Arena::set_cache_limit(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cache_limit_ = bytes;
+}
+
+void Arena::atfork_child() {
+  pools_.clear();  // the parent keeps allocating from its segments; the child makes its own
+  mu_.unlock();
+}
+
+}  // namespace torch_mp_ext

@@ -1,0 +1,142 @@
+// The layout of every shared-memory segment torch_mp_ext creates.
+//
+// Note [Segment layout]
+// A segment is one mapping, shared by every process that received a handle to it:
+//
+//   offset 0            SegmentHeader   magic, version, identity, owner, flags, free stack,
+//                                       name, holder table                 (fixed size)
+//   slots_offset()      BlockSlot[n]    per-block refcount, free-stack link, generation
+//   data_offset         block 0 | block 1 | ... | block n-1   (block_size bytes each,
+//                                       page aligned start, 64-byte aligned blocks)
+//
+// Everything another process can touch concurrently is a lock-free std::atomic (asserted
+// below) at a fixed offset; nothing in the segment is a pointer (each process maps it at its
+// own address). The header is written completely by the creator before any handle to the
+// segment exists, so readers never see a half-initialised header. A reader validates magic,
+// layout version, segment id and sizes before trusting anything else (CorruptSegmentError).
+//
+// Note [Block lifetime]
+// A block's refcount counts references anywhere: each live BlockRef in any process holds one,
+// and each handle in flight (pickled, not yet rebuilt) holds one. The creator sets it to 1 at
+// allocation. Whoever takes it to zero, in whichever process, frees the block: for arena
+// segments (FLAG_FREE_ON_ZERO) it pushes the block on the segment's lock-free free stack, where
+// only the owner pops it again; for dedicated named segments (FLAG_UNLINK_ON_ZERO) it unlinks
+// the name, so the memory goes away with the last mapping. Counter files (the CUDA keep-alive
+// slots) set neither flag: their owner polls the counts and recycles slots itself.
+//
+// Note [Holder table]
+// Named segments list the processes that map them: (pid << 32 | start time), one atomic word
+// each, registered on map and cleared on unmap. When every registered holder is dead (pid gone,
+// or reused by a process with another start time) the name can be unlinked by anyone, which is
+// how names survive no SIGKILL: see reaper.h. Holders in another pid namespace are never judged.
+// References held by handles in flight are counted apart (`inflight`): a name whose holders
+// are all gone but which a pickled message still names is left alone (its sender may have
+// exited normally after put()); one with no live holder and nothing in flight is garbage.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace torch_mp_ext {
+
+constexpr uint64_t SEGMENT_MAGIC = 0x314d474553584d54ULL;  // "TMXSEGM1" little-endian
+constexpr uint32_t LAYOUT_VERSION = 1;
+/// Processes that can be registered as holders of one named segment (Note [Holder table]).
+constexpr size_t MAX_HOLDERS = 128;
+/// Bytes for a segment name, including the leading '/' and the terminating NUL.
+constexpr size_t NAME_CAPACITY = 64;
+/// Alignment of every block's first byte: enough for any dtype and for AVX-512 loads.
+constexpr size_t BLOCK_ALIGNMENT = 64;
+constexpr uint32_t NO_BLOCK = 0xffffffffu;
+
+enum class SegmentKind : uint32_t { Arena = 1, Counters = 2 };
+
+enum SegmentFlags : uint32_t {
+  FLAG_NAMED = 1u << 0,           ///< has a name in /dev/shm (file_system strategy)
+  FLAG_FREE_ON_ZERO = 1u << 1,    ///< a block whose refcount reaches 0 goes on the free stack
+  FLAG_UNLINK_ON_ZERO = 1u << 2,  ///< block 0 reaching 0 unlinks the name (dedicated segments)
+  FLAG_RETIRED = 1u << 3,         ///< the owner dropped the segment; idle mappings may go
+};
+
+struct BlockSlot {
+  std::atomic<int64_t> refcount;
+  std::atomic<uint32_t> next;        ///< free-stack link (index of the next free block)
+  std::atomic<uint32_t> generation;  ///< bumped at each allocation; handles carry it
+  std::atomic<uint64_t> holder;      ///< counters only: holder key of the receiving process
+  uint64_t reserved;
+};
+static_assert(sizeof(BlockSlot) == 32, "BlockSlot is part of the shared layout");
+
+struct SegmentHeader {
+  uint64_t magic;
+  uint32_t layout_version;
+  uint32_t kind;
+  uint64_t segment_id;  ///< random; names the segment across processes
+  uint64_t secret;      ///< random; required to fetch an anonymous segment's fd
+  uint64_t total_size;  ///< bytes of the whole mapping
+  uint64_t block_size;
+  uint64_t data_offset;
+  uint32_t nblocks;
+  int32_t owner_pid;
+  uint64_t owner_key;  ///< holder key of the creator
+  uint64_t pidns;      ///< pid namespace of the creator
+  std::atomic<uint32_t> flags;
+  std::atomic<uint32_t> live_blocks;  ///< blocks allocated and not yet freed
+  std::atomic<uint64_t> free_head;    ///< (tag << 32) | index of the first free block
+  std::atomic<int64_t> inflight;      ///< references held by handles not yet rebuilt
+  char name[NAME_CAPACITY];
+  std::atomic<uint64_t> holders[MAX_HOLDERS];
+};
+
+static_assert(std::atomic<int64_t>::is_always_lock_free, "shared atomics must be lock-free");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock-free");
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics must be lock-free");
+
+/// Offset of the BlockSlot table: right after the header, 64-byte aligned.
+constexpr size_t slots_offset() {
+  return (sizeof(SegmentHeader) + 63) & ~size_t{63};
+}
+
+inline BlockSlot* slots_of(SegmentHeader* h) {
+  return reinterpret_cast<BlockSlot*>(reinterpret_cast<char*>(h) + slots_offset());
+}
+
+// ---- lock-free free stack (Treiber stack with an ABA tag) -------------------------------
+
+inline uint64_t pack_head(uint32_t index, uint32_t tag) {
+  return (static_cast<uint64_t>(tag) << 32) | index;
+}
+
+/// Pushes block `i`. Any process may push. A process killed mid-push loses at most block `i`
+/// (it stays allocated-looking); the stack itself is never corrupted.
+inline void free_push(SegmentHeader* h, uint32_t i) {
+  BlockSlot* slots = slots_of(h);
+  uint64_t old = h->free_head.load(std::memory_order_acquire);
+  for (;;) {
+    slots[i].next.store(static_cast<uint32_t>(old), std::memory_order_relaxed);
+    uint64_t desired = pack_head(i, static_cast<uint32_t>(old >> 32) + 1);
+    if (h->free_head.compare_exchange_weak(old, desired, std::memory_order_release,
+                                           std::memory_order_acquire)) {
+      return;
+    }
+  }
+}
+
+/// Pops a free block, or NO_BLOCK. Only the owner pops.
+inline uint32_t free_pop(SegmentHeader* h) {
+  BlockSlot* slots = slots_of(h);
+  uint64_t old = h->free_head.load(std::memory_order_acquire);
+  for (;;) {
+    uint32_t index = static_cast<uint32_t>(old);
+    if (index == NO_BLOCK) return NO_BLOCK;
+    uint32_t next = slots[index].next.load(std::memory_order_relaxed);
+    uint64_t desired = pack_head(next, static_cast<uint32_t>(old >> 32) + 1);
+    if (h->free_head.compare_exchange_weak(old, desired, std::memory_order_acq_rel,
+                                           std::memory_order_acquire)) {
+      return index;
+    }
+  }
+}
+
+}  // namespace torch_mp_ext

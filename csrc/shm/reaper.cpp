@@ -1,0 +1,73 @@
+#include "shm/reaper.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "common/unique_fd.h"
+#include "platform/process.h"
+#include "shm/layout.h"
+#include "shm/segment.h"
+
+namespace torch_mp_ext {
+
+namespace {
+
+/// Creator pid from "torch_<pid>_<hex>", or 0.
+pid_t creator_pid(const std::string& entry, const std::string& prefix) {
+  if (entry.compare(0, prefix.size(), prefix) != 0) return 0;
+  const char* p = entry.c_str() + prefix.size();
+  char* end = nullptr;
+  long pid = std::strtol(p, &end, 10);
+  if (end == p || *end != '_' || pid <= 0) return 0;
+  return static_cast<pid_t>(pid);
+}
+
+bool is_garbage(const std::string& path, const ReapOptions& options) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd.valid()) return false;
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
+      static_cast<size_t>(st.st_size) < sizeof(SegmentHeader)) {
+    return false;
+  }
+  void* p = ::mmap(nullptr, sizeof(SegmentHeader), PROT_READ, MAP_SHARED, fd.get(), 0);
+  if (p == MAP_FAILED) return false;
+  auto* h = static_cast<SegmentHeader*>(p);
+  bool garbage = h->magic == SEGMENT_MAGIC && h->layout_version == LAYOUT_VERSION &&
+                 !process_alive(h->owner_pid, static_cast<uint32_t>(h->owner_key)) &&
+                 (options.include_inflight || h->inflight.load() == 0) &&
+                 !any_live_holder(h, 0);
+  ::munmap(p, sizeof(SegmentHeader));
+  return garbage;
+}
+
+}  // namespace
+
+std::vector<std::string> reap_dead_segments(const ReapOptions& options) {
+  std::vector<std::string> removed;
+  DIR* dir = ::opendir(options.directory.c_str());
+  if (dir == nullptr) return removed;
+  while (dirent* entry = ::readdir(dir)) {
+    std::string name = entry->d_name;
+    pid_t pid = creator_pid(name, options.prefix);
+    if (pid == 0 || process_alive(pid)) continue;  // cheap filter before opening anything
+    std::string path = options.directory + "/" + name;
+    if (!is_garbage(path, options)) continue;
+    if (options.dry_run) {
+      removed.push_back(name);
+    } else if (options.directory == "/dev/shm" ? unlink_name("/" + name)
+                                               : ::unlink(path.c_str()) == 0) {
+      removed.push_back(name);
+    }
+  }
+  ::closedir(dir);
+  return removed;
+}
+
+}  // namespace torch_mp_ext

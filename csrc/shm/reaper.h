@@ -1,0 +1,23 @@
+// Removing names of file_system segments whose holders are all dead (Note [Holder table]).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace torch_mp_ext {
+
+struct ReapOptions {
+  std::string directory = "/dev/shm";
+  std::string prefix = "torch_";
+  bool dry_run = false;
+  /// Also remove segments that handles in flight still name (their receivers will fail).
+  bool include_inflight = false;
+};
+
+/// Unlinks every torch_mp_ext segment under `directory` whose creator and registered holders
+/// are all dead and that nothing in flight names. Segments of other programs (torch's own
+/// torch_* files, anything without our magic) and of other pid namespaces are never touched.
+/// Returns the names removed (or that would be, with dry_run).
+std::vector<std::string> reap_dead_segments(const ReapOptions& options);
+
+}  // namespace torch_mp_ext

@@ -1,0 +1,362 @@
+#include "shm/registry.h"
+
+#include <pthread.h>
+#include <fcntl.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cerrno>
+
+#include "common/check.h"
+#include "ipc/fd_server.h"
+#include "platform/process.h"
+#include "shm/arena.h"
+
+namespace torch_mp_ext {
+
+namespace {
+
+/// Idle anonymous mappings a process keeps (Note [fd budget]): re-mapping needs the owner.
+constexpr size_t MAX_IDLE_MAPPINGS = 64;
+
+std::atomic<uint64_t> g_underflows{0};
+
+bool owner_gone(const SegmentHeader* h) {
+  return ::kill(h->owner_pid, 0) != 0 && errno == ESRCH;
+}
+
+/// Crash cleanup for a named segment this process stops mapping (Note [Holder table]).
+void maybe_reap_on_unmap(Mapping& m) {
+  SegmentHeader* h = m.header();
+  if (m.holder_registered) {
+    holder_deregister(h, self_key());
+    m.holder_registered = false;
+  }
+  if (h->inflight.load(std::memory_order_acquire) != 0) return;
+  bool referenced = false;
+  for (uint32_t i = 0; i < h->nblocks; ++i) {
+    if (m.slots()[i].refcount.load(std::memory_order_acquire) > 0) referenced = true;
+  }
+  if (referenced && !any_live_holder(h, 0)) unlink_name(m.name());
+}
+
+}  // namespace
+
+uint64_t refcount_underflows() { return g_underflows.load(); }
+
+void decref_block(Mapping& mapping, uint32_t index) {
+  SegmentHeader* h = mapping.header();
+  BlockSlot& slot = mapping.slots()[index];
+  int64_t left = slot.refcount.fetch_sub(1, std::memory_order_acq_rel) - 1;
+  if (left > 0) return;
+  if (left < 0) {  // a reference dropped twice: undo, count it, keep the block alive
+    slot.refcount.fetch_add(1, std::memory_order_acq_rel);
+    g_underflows.fetch_add(1);
+    return;
+  }
+  uint32_t flags = h->flags.load(std::memory_order_acquire);
+  if (flags & FLAG_UNLINK_ON_ZERO) unlink_name(mapping.name());
+  if (flags & FLAG_FREE_ON_ZERO) {
+    free_push(h, index);
+    h->live_blocks.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+// ---- BlockRef --------------------------------------------------------------------------
+
+BlockRef::BlockRef(std::shared_ptr<Mapping> mapping, uint32_t index)
+    : mapping_(std::move(mapping)), index_(index) {}
+
+BlockRef::~BlockRef() { release(); }
+
+void BlockRef::release() {
+  if (!live_) return;
+  Registry::instance().on_release(this);
+}
+
+uint32_t BlockRef::generation() const {
+  return mapping_->slots()[index_].generation.load(std::memory_order_acquire);
+}
+
+Handle BlockRef::share() const {
+  TMX_CHECK_VALUE(live_, "this block was already released");
+  SegmentHeader* h = mapping_->header();
+  mapping_->slots()[index_].refcount.fetch_add(1, std::memory_order_acq_rel);
+  h->inflight.fetch_add(1, std::memory_order_acq_rel);
+  Handle out;
+  out.named = mapping_->named();
+  out.segment_id = h->segment_id;
+  out.secret = out.named ? 0 : h->secret;
+  out.size = h->total_size;
+  out.index = index_;
+  out.generation = generation();
+  out.owner_pid = h->owner_pid;
+  out.location = out.named ? mapping_->name() : std::string(h->name);
+  return out;
+}
+
+// ---- Registry --------------------------------------------------------------------------
+
+Registry& Registry::instance() {
+  static auto* registry = new Registry();  // leaked: BlockRefs may die during interpreter exit
+  return *registry;
+}
+
+Registry::Registry() {
+  ::pthread_atfork([] { Registry::instance().atfork_prepare(); },
+                   [] { Registry::instance().atfork_parent(); },
+                   [] { Registry::instance().atfork_child(); });
+}
+
+std::shared_ptr<Mapping> Registry::find_locked(uint64_t id) {
+  auto it = by_id_.find(id);
+  return it == by_id_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Mapping> Registry::insert_locked(std::shared_ptr<Mapping> mapping) {
+  auto [it, inserted] = by_id_.emplace(mapping->id(), mapping);
+  if (!inserted) return it->second;  // another thread mapped it first; ours is unmapped
+  by_address_[reinterpret_cast<uintptr_t>(mapping->data_begin())] = mapping.get();
+  return mapping;
+}
+
+void Registry::erase_locked(const std::shared_ptr<Mapping>& mapping) {
+  idle_.remove(mapping);
+  by_address_.erase(reinterpret_cast<uintptr_t>(mapping->data_begin()));
+  by_id_.erase(mapping->id());
+}
+
+void Registry::add_owned_locked(const std::shared_ptr<Mapping>& mapping) {
+  mapping->owned = true;
+  insert_locked(mapping);
+}
+
+void Registry::link_locked(BlockRef* ref) {
+  ref->next_ = refs_;
+  ref->prev_ = nullptr;
+  if (refs_ != nullptr) refs_->prev_ = ref;
+  refs_ = ref;
+  ++live_refs_;
+  if (ref->mapping_->local_refs++ == 0) idle_.remove(ref->mapping_);
+}
+
+void Registry::unlink_locked(BlockRef* ref) {
+  if (ref->prev_ != nullptr) ref->prev_->next_ = ref->next_;
+  if (ref->next_ != nullptr) ref->next_->prev_ = ref->prev_;
+  if (refs_ == ref) refs_ = ref->next_;
+  ref->prev_ = ref->next_ = nullptr;
+  --live_refs_;
+  --ref->mapping_->local_refs;
+}
+
+std::unique_ptr<BlockRef> Registry::adopt_locked(const std::shared_ptr<Mapping>& mapping,
+                                                 uint32_t index) {
+  auto ref = std::make_unique<BlockRef>(mapping, index);
+  link_locked(ref.get());
+  return ref;
+}
+
+void Registry::on_release(BlockRef* ref) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!ref->live_) return;
+  ref->live_ = false;
+  if (released_) return;  // release_all() already dropped this process's references
+  decref_block(*ref->mapping_, ref->index_);
+  unlink_locked(ref);
+  maybe_unmap_locked(ref->mapping_);
+}
+
+void Registry::maybe_unmap_locked(const std::shared_ptr<Mapping>& mapping) {
+  if (mapping->local_refs > 0 || mapping->owned) return;
+  if (mapping->named()) {
+    maybe_reap_on_unmap(*mapping);
+    erase_locked(mapping);
+    return;
+  }
+  SegmentHeader* h = mapping->header();
+  if ((h->flags.load(std::memory_order_acquire) & FLAG_RETIRED) || owner_gone(h)) {
+    erase_locked(mapping);
+    return;
+  }
+  idle_.remove(mapping);
+  idle_.push_back(mapping);
+  sweep_idle_locked();
+}
+
+void Registry::sweep_idle_locked() {
+  for (auto it = idle_.begin(); it != idle_.end();) {
+    SegmentHeader* h = (*it)->header();
+    bool drop = (h->flags.load(std::memory_order_acquire) & FLAG_RETIRED) ||
+                idle_.size() > MAX_IDLE_MAPPINGS;
+    if (drop) {
+      auto mapping = *it;
+      it = idle_.erase(it);
+      by_address_.erase(reinterpret_cast<uintptr_t>(mapping->data_begin()));
+      by_id_.erase(mapping->id());
+    } else {
+      ++it;
+    }
+  }
+}
+
+std::shared_ptr<Mapping> Registry::map_handle(const Handle& handle, double timeout) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto found = find_locked(handle.segment_id)) return found;
+  }
+  // Map without the lock: fetching an fd may wait for the owner.
+  std::shared_ptr<Mapping> mapping;
+  if (handle.named) {
+    mapping = open_named_segment(handle.location, handle.segment_id);
+  } else {
+    UniqueFd fd = fetch_fd(handle.location, handle.segment_id, handle.secret,
+                           handle.owner_pid, timeout);
+    mapping = map_segment_fd(std::move(fd), handle.segment_id);
+  }
+  if (mapping->size() != handle.size) {
+    throw CorruptSegmentError(detail::str_cat("shared memory segment ", handle.segment_id,
+                                              " is ", mapping->size(),
+                                              " bytes but the handle says ", handle.size));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto kept = insert_locked(mapping);
+  if (kept == mapping && !mapping->named()) sweep_idle_locked();
+  return kept;
+}
+
+std::unique_ptr<BlockRef> Registry::attach(const Handle& handle, double timeout) {
+  auto mapping = map_handle(handle, timeout);
+  std::lock_guard<std::mutex> lock(mu_);
+  TMX_CHECK_VALUE(handle.index < mapping->nblocks(), "block index ", handle.index,
+                  " out of range for segment ", handle.segment_id);
+  uint32_t generation = mapping->slots()[handle.index].generation.load();
+  if (generation != handle.generation) {
+    throw CorruptSegmentError(detail::str_cat(
+        "stale handle: block ", handle.index, " of segment ", handle.segment_id,
+        " was freed and reused (generation ", generation, ", handle ", handle.generation,
+        "); the reference this handle carried was dropped twice"));
+  }
+  mapping->header()->inflight.fetch_sub(1, std::memory_order_acq_rel);
+  return adopt_locked(mapping, handle.index);
+}
+
+void Registry::release_handle(const Handle& handle, double timeout) {
+  auto mapping = map_handle(handle, timeout);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (handle.index >= mapping->nblocks()) return;
+  mapping->header()->inflight.fetch_sub(1, std::memory_order_acq_rel);
+  decref_block(*mapping, handle.index);
+  maybe_unmap_locked(mapping);
+}
+
+Mapping* Registry::locate_locked(uintptr_t address, size_t nbytes, uint32_t* index,
+                                 size_t* offset) {
+  auto it = by_address_.upper_bound(address);
+  if (it == by_address_.begin()) return nullptr;
+  --it;
+  Mapping* m = it->second;
+  auto begin = reinterpret_cast<uintptr_t>(m->data_begin());
+  auto end = reinterpret_cast<uintptr_t>(m->data_end());
+  if (address < begin || address >= end || m->block_size() == 0) return nullptr;
+  *index = static_cast<uint32_t>((address - begin) / m->block_size());
+  *offset = address - begin - static_cast<size_t>(*index) * m->block_size();
+  if (*offset + nbytes > m->block_size()) return nullptr;  // spans blocks: not one of ours
+  if (m->slots()[*index].refcount.load(std::memory_order_acquire) <= 0) return nullptr;
+  return m;
+}
+
+bool Registry::contains(uintptr_t address, size_t nbytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint32_t index = 0;
+  size_t offset = 0;
+  return locate_locked(address, nbytes, &index, &offset) != nullptr;
+}
+
+bool Registry::share_address(uintptr_t address, size_t nbytes, Handle* out, size_t* offset) {
+  std::shared_ptr<Mapping> mapping;
+  uint32_t index = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Mapping* m = locate_locked(address, nbytes, &index, offset);
+    if (m == nullptr) return false;
+    mapping = by_id_.at(m->id());
+  }
+  BlockRef probe(mapping, index);  // not linked: only used to build the handle
+  *out = probe.share();
+  probe.live_ = false;
+  return true;
+}
+
+int Registry::dup_fd_for(uint64_t segment_id, uint64_t secret) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto mapping = find_locked(segment_id);
+  if (!mapping || !mapping->owned || mapping->fd() < 0) return -1;
+  if (mapping->header()->secret != secret) return -1;
+  return ::fcntl(mapping->fd(), F_DUPFD_CLOEXEC, 0);
+}
+
+void Registry::retire_locked(const std::shared_ptr<Mapping>& mapping) {
+  mapping->header()->flags.fetch_or(FLAG_RETIRED, std::memory_order_acq_rel);
+  mapping->owned = false;
+  erase_locked(mapping);
+}
+
+void Registry::release_all() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (released_) return;
+  released_ = true;
+  for (BlockRef* ref = refs_; ref != nullptr; ref = ref->next_) {
+    if (!ref->live_) continue;
+    decref_block(*ref->mapping_, ref->index_);
+    ref->live_ = false;
+  }
+  for (auto& [id, mapping] : by_id_) {
+    mapping->local_refs = 0;
+    if (mapping->named()) maybe_reap_on_unmap(*mapping);
+  }
+}
+
+RegistryStats Registry::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  RegistryStats s;
+  for (auto& [id, mapping] : by_id_) {
+    ++s.mapped_segments;
+    if (mapping->owned) ++s.owned_segments;
+    s.mapped_bytes += mapping->size();
+  }
+  s.live_refs = live_refs_;
+  s.idle_mappings = idle_.size();
+  s.refcount_underflows = g_underflows.load();
+  return s;
+}
+
+// Lock order everywhere: Arena, then Registry, then FdServer.
+void Registry::atfork_prepare() {
+  Arena::instance().atfork_prepare();
+  mu_.lock();
+  FdServer::instance().atfork_prepare();
+}
+
+void Registry::atfork_parent() {
+  FdServer::instance().atfork_parent();
+  mu_.unlock();
+  Arena::instance().atfork_parent();
+}
+
+void Registry::atfork_child() {
+  refresh_self_after_fork();
+  FdServer::instance().atfork_child();
+  uint64_t key = self_key();
+  for (BlockRef* ref = refs_; ref != nullptr; ref = ref->next_) {
+    if (ref->live_) ref->mapping_->slots()[ref->index_].refcount.fetch_add(1);
+  }
+  for (auto& [id, mapping] : by_id_) {
+    mapping->owned = false;
+    mapping->close_fd();
+    if (mapping->named()) mapping->holder_registered = holder_register(mapping->header(), key);
+  }
+  mu_.unlock();
+  Arena::instance().atfork_child();
+}
+
+}  // namespace torch_mp_ext

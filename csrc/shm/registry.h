@@ -1,0 +1,146 @@
+// The process-wide table of mapped segments and live block references.
+//
+// Note [fd budget]
+// A process holds an fd only for anonymous segments it created (receivers fetch it from the
+// owner's fd server, map, and close it at once). So receiving 10,000 tensors costs no fds,
+// and sending them costs one fd per arena segment, not one per tensor.
+//
+// Note [Mappings and fork]
+// After fork(2) the child inherits every mapping and every live BlockRef, but holds no counted
+// reference yet: the atfork child handler increments each inherited block once, registers the
+// child as a holder of named segments, forgets ownership (the parent allocates from its
+// segments; the child makes its own) and closes inherited owner fds. The registry mutex is
+// taken in the atfork prepare handler so the child never inherits it locked.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "shm/segment.h"
+
+namespace torch_mp_ext {
+
+/// What travels in a pickle to name one block (plus one counted reference to it).
+struct Handle {
+  bool named = false;
+  uint64_t segment_id = 0;
+  uint64_t secret = 0;
+  uint64_t size = 0;  ///< segment size, checked on map
+  uint32_t index = 0;
+  uint32_t generation = 0;
+  int32_t owner_pid = 0;
+  std::string location;  ///< named: the shm name; anonymous: the owner's fd-server address
+};
+
+/// One counted reference to a block, held by this process. Destroying it drops the reference
+/// (Note [Block lifetime]).
+class BlockRef {
+ public:
+  BlockRef(std::shared_ptr<Mapping> mapping, uint32_t index);  ///< adopts a counted reference
+  BlockRef(const BlockRef&) = delete;
+  BlockRef& operator=(const BlockRef&) = delete;
+  ~BlockRef();
+
+  /// Drops the reference now (idempotent).
+  void release();
+  bool live() const { return live_; }
+  char* data() const { return mapping_->block_data(index_); }
+  size_t capacity() const { return mapping_->block_size(); }
+  uint32_t index() const { return index_; }
+  uint32_t generation() const;
+  const std::shared_ptr<Mapping>& mapping() const { return mapping_; }
+  /// A handle carrying one new reference (for a message in flight).
+  Handle share() const;
+
+ private:
+  friend class Registry;
+  std::shared_ptr<Mapping> mapping_;
+  uint32_t index_;
+  bool live_ = true;
+  BlockRef* prev_ = nullptr;
+  BlockRef* next_ = nullptr;
+};
+
+struct RegistryStats {
+  size_t mapped_segments = 0;
+  size_t owned_segments = 0;
+  size_t mapped_bytes = 0;
+  size_t live_refs = 0;
+  size_t idle_mappings = 0;
+  uint64_t refcount_underflows = 0;
+};
+
+/// Process-wide; all methods are thread-safe.
+class Registry {
+ public:
+  static Registry& instance();
+
+  std::mutex& mutex() { return mu_; }
+
+  /// Adds a mapping created by this process (allocator side) and links a BlockRef on `index`.
+  void add_owned_locked(const std::shared_ptr<Mapping>& mapping);
+  std::unique_ptr<BlockRef> adopt_locked(const std::shared_ptr<Mapping>& mapping,
+                                         uint32_t index);
+
+  /// Rebuilds a handle: maps the segment if needed and adopts the handle's reference.
+  std::unique_ptr<BlockRef> attach(const Handle& handle, double timeout);
+  /// Drops the handle's reference without keeping the block.
+  void release_handle(const Handle& handle, double timeout);
+  /// The block holding [address, address + nbytes), with a new reference in a handle, or
+  /// false when that memory is not in a block of this process's mappings.
+  bool share_address(uintptr_t address, size_t nbytes, Handle* out, size_t* offset);
+  /// True if [address, address + nbytes) lies in one live block of this process's mappings.
+  bool contains(uintptr_t address, size_t nbytes);
+
+  /// The fd of an owned anonymous segment, dup()ed, for the fd server; -1 if unknown.
+  int dup_fd_for(uint64_t segment_id, uint64_t secret);
+  /// Retires an owned segment whose blocks are all free (arena cache trimming).
+  void retire_locked(const std::shared_ptr<Mapping>& mapping);
+
+  /// Drops every reference this process still holds (interpreter exit); later BlockRef
+  /// destructions are no-ops.
+  void release_all();
+  RegistryStats stats();
+
+  void atfork_prepare();
+  void atfork_parent();
+  void atfork_child();
+
+  /// Internal: called by BlockRef.
+  void on_release(BlockRef* ref);
+
+ private:
+  Registry();
+  std::shared_ptr<Mapping> map_handle(const Handle& handle, double timeout);
+  std::shared_ptr<Mapping> find_locked(uint64_t id);
+  Mapping* locate_locked(uintptr_t address, size_t nbytes, uint32_t* index, size_t* offset);
+  std::shared_ptr<Mapping> insert_locked(std::shared_ptr<Mapping> mapping);
+  void link_locked(BlockRef* ref);
+  void unlink_locked(BlockRef* ref);
+  void maybe_unmap_locked(const std::shared_ptr<Mapping>& mapping);
+  void erase_locked(const std::shared_ptr<Mapping>& mapping);
+  void sweep_idle_locked();
+
+  std::mutex mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<Mapping>> by_id_;
+  std::map<uintptr_t, Mapping*> by_address_;      // data_begin -> mapping
+  std::list<std::shared_ptr<Mapping>> idle_;      // non-owned anonymous, no live refs, LRU
+  BlockRef* refs_ = nullptr;                        // intrusive list of live BlockRefs
+  size_t live_refs_ = 0;
+  bool released_ = false;
+};
+
+/// Decrements block `index` of `mapping` in shared memory and frees it at zero
+/// (Note [Block lifetime]). Thread- and process-safe.
+void decref_block(Mapping& mapping, uint32_t index);
+
+uint64_t refcount_underflows();
+
+}  // namespace torch_mp_ext

@@ -1,0 +1,88 @@
+// Creating, opening and mapping shared-memory segments (Note [Segment layout]).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/unique_fd.h"
+#include "shm/layout.h"
+
+namespace torch_mp_ext {
+
+/// How anonymous (file_descriptor strategy) segments are made. memfd is not bounded by the
+/// size of /dev/shm (Docker's 64 MB default); shm_open + immediate unlink is what torch does.
+enum class AnonymousBackend { Memfd, ShmUnlinked };
+void set_anonymous_backend(AnonymousBackend backend);
+AnonymousBackend anonymous_backend();
+
+struct SegmentSpec {
+  SegmentKind kind = SegmentKind::Arena;
+  uint64_t block_size = 0;
+  uint32_t nblocks = 1;
+  bool named = false;
+  uint32_t flags = 0;  ///< FLAG_FREE_ON_ZERO / FLAG_UNLINK_ON_ZERO
+};
+
+/// Bytes a segment of this spec occupies (header, slot table, page-aligned data).
+size_t segment_size_for(const SegmentSpec& spec, size_t* data_offset = nullptr);
+
+/// One mapping of one segment in this process. Owns the mmap (and the fd, when kept).
+/// Not thread-safe by itself: the SegmentTable's mutex guards the mutable fields.
+class Mapping {
+ public:
+  Mapping(char* base, size_t size, UniqueFd fd, std::string name, bool owned);
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping();
+
+  SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
+  BlockSlot* slots() const { return slots_of(header()); }
+  uint64_t id() const { return header()->segment_id; }
+  uint32_t nblocks() const { return header()->nblocks; }
+  uint64_t block_size() const { return header()->block_size; }
+  char* base() const { return base_; }
+  size_t size() const { return size_; }
+  char* data_begin() const { return base_ + header()->data_offset; }
+  char* data_end() const { return data_begin() + block_size() * nblocks(); }
+  char* block_data(uint32_t i) const { return data_begin() + block_size() * i; }
+  const std::string& name() const { return name_; }  ///< "" for anonymous segments
+  bool named() const { return !name_.empty(); }
+  int fd() const { return fd_.get(); }
+  void close_fd() { fd_.reset(); }
+
+  bool owned = false;            ///< created by this process: its allocator may hand out blocks
+  bool holder_registered = false;
+  int64_t local_refs = 0;        ///< live BlockRefs of this process on this segment
+
+ private:
+  char* base_;
+  size_t size_;
+  UniqueFd fd_;
+  std::string name_;
+};
+
+/// Creates, sizes (posix_fallocate: a full /dev/shm fails here, never later with SIGBUS), maps
+/// and initialises a segment. Anonymous segments keep their fd (it is what receivers get);
+/// named ones close it. Partial work is rolled back before an error is thrown.
+std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec);
+
+/// Maps a segment from a received fd and validates it; the fd is closed after mapping.
+std::shared_ptr<Mapping> map_segment_fd(UniqueFd fd, uint64_t expected_id);
+
+/// Opens a named segment (file_system strategy) and validates it.
+std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t expected_id);
+
+/// shm_unlink that tolerates ENOENT (someone else won the race); true if this call removed it.
+bool unlink_name(const std::string& name);
+
+/// Holder table helpers (Note [Holder table]).
+bool holder_register(SegmentHeader* h, uint64_t key);
+void holder_deregister(SegmentHeader* h, uint64_t key);
+/// True if a registered holder other than `except_key` may be alive (other pid namespaces and
+/// undecidable cases count as alive).
+bool any_live_holder(SegmentHeader* h, uint64_t except_key);
+
+}  // namespace torch_mp_ext

@@ -1,0 +1,78 @@
+"""Module-level child targets (spawn and forkserver import them by name)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import torch
+
+import torch_mp_ext as mp
+
+
+def fill_and_ack(q_in, q_out, value):
+    """Gets a list of tensors/arrays, fills every one with ``value``, acknowledges."""
+    items = q_in.get(timeout=60)
+    for item in items:
+        item[...] = value
+    q_out.put("done")
+
+
+def send_tensor_twice(q, event):
+    t = torch.ones(5, 5)
+    q.put(t)
+    q.put(t)
+    event.wait(60)
+
+
+def report_strategy(q):
+    q.put(mp.get_sharing_strategy())
+
+
+def echo(q_in, q_out, count):
+    for _ in range(count):
+        q_out.put(q_in.get(timeout=60))
+
+
+def hold_then_die(q, event):
+    """Receives an item, acknowledges, waits to be killed."""
+    item = q.get(timeout=60)
+    q.put(("got", os.getpid()))
+    event.wait(60)
+    del item
+
+
+def send_named_and_wait(q, event):
+    mp.set_sharing_strategy("file_system")
+    t = torch.full((1024,), 7.0)
+    q.put(t)
+    event.wait(60)
+
+
+def receive_many_under_fd_limit(q, out, count, limit):
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    held = [q.get(timeout=60) for _ in range(count)]
+    out.put((len(held), len({t.untyped_storage().data_ptr() for t in held}),
+             float(sum(t[0].item() for t in held)), len(os.listdir("/proc/self/fd"))))
+
+
+def sigkill_self():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sleep_forever():
+    while True:
+        time.sleep(1)
+
+
+def array_round_trip(q_in, q_out):
+    arr = q_in.get(timeout=60)
+    arr += 1
+    out = mp.empty_array(arr.shape, arr.dtype)
+    out[...] = arr * 2
+    q_out.put((arr, out))
+    q_in.get(timeout=60)  # wait for the parent to be done with both

@@ -1,0 +1,114 @@
+"""Test fixtures: the leak check every test runs under, and start-method parametrisation.
+
+Every test must leave nothing behind: no new torch_mp_ext (or torch) segment in /dev/shm, no
+new open fd, no child process (running or zombie). The check waits a few seconds for
+children that are exiting, then fails the test naming what leaked.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import time
+
+import pytest
+
+import torch_mp_ext
+
+SHM_PREFIXES = ("torch_", "tmx_")
+START_METHODS = ["fork", "spawn", "forkserver"]
+LEAK_WAIT_S = 15.0
+
+
+def shm_entries() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
+
+
+def _persistent_fds() -> set[str]:
+    """fds of session-long helpers: the forkserver, the resource tracker, our fd server."""
+    fds = set()
+    from multiprocessing import forkserver, resource_tracker
+
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        fds.add(str(alive))
+    tracker_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
+    if tracker_fd is not None:
+        fds.add(str(tracker_fd))
+    return fds
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd")) - _persistent_fds()
+
+
+def child_pids() -> set[int]:
+    """Processes whose parent is this one, zombies included, minus session-long helpers."""
+    me = os.getpid()
+    skip = set()
+    from multiprocessing import forkserver, resource_tracker
+
+    for pid in (
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+    ):
+        if pid:
+            skip.add(pid)
+    kids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == me and int(entry) not in skip:
+            kids.add(int(entry))
+    return kids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_baseline():
+    torch_mp_ext._C.fd_server_address()  # one listening socket per process, for good
+    yield
+
+
+@pytest.fixture(autouse=True)
+def leak_check(request):
+    """Fails a test that leaves segments, fds or processes behind."""
+    if request.node.get_closest_marker("no_leak_check"):
+        yield
+        return
+    shm_before, fds_before = shm_entries(), open_fds()
+    yield
+    deadline = time.monotonic() + LEAK_WAIT_S
+    while True:
+        multiprocessing.active_children()  # joins finished children of this test
+        gc.collect()
+        torch_mp_ext.empty_cache()
+        new_shm = shm_entries() - shm_before
+        new_fds = open_fds() - fds_before
+        kids = child_pids()
+        if not (new_shm or new_fds or kids) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not kids, f"test left child processes behind: {sorted(kids)}"
+    assert not new_shm, f"test left shared memory behind in /dev/shm: {sorted(new_shm)}"
+    assert not new_fds, f"test left fds open: {sorted(new_fds, key=int)}"
+
+
+@pytest.fixture(params=START_METHODS)
+def start_method(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def ctx(start_method):
+    return torch_mp_ext.get_context(start_method)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "no_leak_check: the test checks leaks itself")

@@ -1,0 +1,62 @@
+"""torch_mp_ext: a faster, safer drop-in replacement for ``torch.multiprocessing``.
+
+``import torch_mp_ext as mp`` offers every name ``torch.multiprocessing`` offers (and so the
+standard library's ``multiprocessing``), with CPU tensors and numpy arrays shared through a
+pooled shared-memory arena instead of one fd or one ``/dev/shm`` file per storage. Beyond the
+drop-in surface: tensors born in shared memory (:func:`empty`, :func:`empty_array`,
+:func:`share_`); see the docs for queues, pipelines, tasks and model exchange.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as _stdlib_mp
+
+import torch  # noqa: F401  (imports torch.multiprocessing: its reducers first, ours after)
+from torch.multiprocessing import (  # noqa: F401  (torch's own helpers, as torch exposes them)
+    _get_thread_name,
+    _prctl_pr_set_pdeathsig,
+    _set_thread_name,
+)
+
+from . import _C, reductions
+from ._context import default_context as _default_context
+from ._version import __version__
+from .arena import (
+    empty,
+    empty_array,
+    empty_cache,
+    empty_like,
+    is_shared,
+    memory_stats,
+    share_,
+    zeros,
+    zeros_array,
+)
+from .reductions import init_reductions
+from .sharing import (
+    _all_sharing_strategies,
+    get_all_sharing_strategies,
+    get_sharing_strategy,
+    set_sharing_strategy,
+)
+from torch.multiprocessing.spawn import (  # noqa: E402  (until torch_mp_ext.spawn lands)
+    ENV_VAR_PARALLEL_START,
+    ProcessContext,
+    ProcessExitedException,
+    ProcessRaisedException,
+    SpawnContext,
+    spawn,
+    start_processes,
+)
+
+# The standard library's names, bound to torch_mp_ext's default context (as multiprocessing
+# binds them to its own): mp.Process, mp.Queue, mp.get_context(...), ...
+globals().update((name, getattr(_default_context, name)) for name in _stdlib_mp.__all__)
+
+__all__ = [
+    "set_sharing_strategy",
+    "get_sharing_strategy",
+    "get_all_sharing_strategies",
+] + list(_stdlib_mp.__all__)
+
+init_reductions()

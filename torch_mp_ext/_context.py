@@ -1,0 +1,132 @@
+"""Start-method contexts whose processes and queues share tensors through torch_mp_ext.
+
+Adapted from CPython 3.11 ``Lib/multiprocessing/context.py``; changes: the concrete contexts
+use torch_mp_ext's ``Process`` classes (which carry the sharing strategy to their children),
+and the default context follows the standard library's start-method choice instead of
+keeping a second one, so ``torch_mp_ext.set_start_method`` and
+``multiprocessing.set_start_method`` are the same switch.
+
+Note [Strategy inheritance]
+torch.multiprocessing's sharing strategy is a per-process global: spawn and forkserver
+children start with ``file_descriptor`` whatever the parent chose (anchor F3). Our ``Process``
+records the parent's strategy when it starts, in its own state; a spawn/forkserver child
+unpickles that state before running anything and applies it. Fork children inherit it anyway.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing import context as _ctx
+from typing import Any
+
+from . import sharing
+
+__all__ = [
+    "DefaultContext",
+    "ForkContext",
+    "ForkServerContext",
+    "Process",
+    "SpawnContext",
+    "default_context",
+]
+
+
+class _StrategyCarrier:
+    """Mixin for Process classes: Note [Strategy inheritance]."""
+
+    def start(self) -> None:
+        self._tmx_sharing_strategy = sharing.get_sharing_strategy()
+        super().start()  # type: ignore[misc]
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        strategy = state.get("_tmx_sharing_strategy")
+        if strategy is not None and strategy != sharing.get_sharing_strategy():
+            sharing.set_sharing_strategy(strategy)
+
+
+class ForkProcess(_StrategyCarrier, _ctx.ForkProcess):
+    pass
+
+
+class SpawnProcess(_StrategyCarrier, _ctx.SpawnProcess):
+    pass
+
+
+class ForkServerProcess(_StrategyCarrier, _ctx.ForkServerProcess):
+    pass
+
+
+class Process(_StrategyCarrier, _ctx.Process):
+    """``multiprocessing.Process`` of the default context, carrying the sharing strategy."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return default_context.get_context().Process._Popen(process_obj)
+
+    @staticmethod
+    def _after_fork() -> Any:
+        return default_context.get_context().Process._after_fork()
+
+
+class _QueueFactories:
+    """Queue constructors of torch_mp_ext's contexts (overridden as our queues land)."""
+
+
+class ForkContext(_QueueFactories, _ctx.ForkContext):
+    Process = ForkProcess  # type: ignore[assignment]
+
+
+class SpawnContext(_QueueFactories, _ctx.SpawnContext):
+    Process = SpawnProcess  # type: ignore[assignment]
+
+
+class ForkServerContext(_QueueFactories, _ctx.ForkServerContext):
+    Process = ForkServerProcess  # type: ignore[assignment]
+
+
+_concrete_contexts: dict[str, _ctx.BaseContext] = {
+    "fork": ForkContext(),
+    "spawn": SpawnContext(),
+    "forkserver": ForkServerContext(),
+}
+
+
+class DefaultContext(_ctx.BaseContext):
+    """The context behind torch_mp_ext's module-level functions.
+
+    The start method is the standard library's (``multiprocessing.get_start_method()``);
+    the context returned for it is torch_mp_ext's.
+    """
+
+    Process = Process
+
+    def get_context(self, method: str | None = None) -> _ctx.BaseContext:
+        if method is None:
+            method = multiprocessing.get_start_method()
+        try:
+            return _concrete_contexts[method]
+        except KeyError:
+            raise ValueError(f"cannot find context for {method!r}") from None
+
+    def get_start_method(self, allow_none: bool = False) -> str | None:
+        return multiprocessing.get_start_method(allow_none)
+
+    def set_start_method(self, method: str | None, force: bool = False) -> None:
+        multiprocessing.set_start_method(method, force)
+
+    def get_all_start_methods(self) -> list[str]:
+        return multiprocessing.get_all_start_methods()
+
+    # Queue-like factories follow the concrete context, so torch_mp_ext's overrides apply.
+    def Queue(self, maxsize: int = 0) -> Any:  # noqa: N802 (stdlib name)
+        return self.get_context().Queue(maxsize)
+
+    def JoinableQueue(self, maxsize: int = 0) -> Any:  # noqa: N802
+        return self.get_context().JoinableQueue(maxsize)
+
+    def SimpleQueue(self) -> Any:  # noqa: N802
+        return self.get_context().SimpleQueue()
+
+
+default_context = DefaultContext()

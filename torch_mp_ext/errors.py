@@ -1,0 +1,105 @@
+"""Every exception torch_mp_ext raises, in one place.
+
+Each project exception also subclasses the builtin it resembles, so existing ``except``
+clauses keep working: a full ``/dev/shm`` is an ``OSError``, a closed queue a ``ValueError``,
+an unknown sharing strategy both a ``ValueError`` (what users expect) and an
+``AssertionError`` (what torch.multiprocessing 2.13 raises).
+
+Exceptions that cross process boundaries pickle, and carry the remote traceback as their
+``__cause__`` (the pattern of loky and ``concurrent.futures``): see :func:`with_traceback`.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import traceback
+from typing import Any
+
+__all__ = [
+    "TorchMPExtError",
+    "SharedMemoryError",
+    "CorruptSegmentError",
+    "PeerDiedError",
+    "InvalidSharingStrategyError",
+    "RemoteTraceback",
+    "ExceptionWithTraceback",
+    "with_traceback",
+    "oserror",
+]
+
+
+class TorchMPExtError(Exception):
+    """Base class of the exceptions defined by torch_mp_ext."""
+
+
+class SharedMemoryError(TorchMPExtError, OSError):
+    """Shared memory could not be had: ``/dev/shm`` full, memory limit, fd limit.
+
+    ``errno``, ``strerror`` (the whole explanation, with the fix) and ``filename`` (the
+    resource) are set as for any ``OSError``.
+    """
+
+
+class CorruptSegmentError(TorchMPExtError, RuntimeError):
+    """A shared-memory segment is not ours, of another layout version, or a handle is stale."""
+
+
+class PeerDiedError(TorchMPExtError, RuntimeError):
+    """A process died while holding shared state that could not be repaired."""
+
+
+class InvalidSharingStrategyError(TorchMPExtError, ValueError, AssertionError):
+    """An unknown sharing strategy name (torch 2.13 raises AssertionError for it)."""
+
+
+_OSERROR_AS_SHARED_MEMORY = {_errno.ENOSPC, _errno.ENOMEM, _errno.EMFILE, _errno.ENFILE}
+
+
+def oserror(err: int, message: str, resource: str) -> OSError:
+    """The exception for a failed system call (used by the C++ core's translator).
+
+    Resource exhaustion becomes :class:`SharedMemoryError`; anything else the ``OSError``
+    subclass Python picks for the errno (``FileNotFoundError`` for ENOENT, ...).
+    """
+    if err in _OSERROR_AS_SHARED_MEMORY:
+        return SharedMemoryError(err, message, resource)
+    return OSError(err, message, resource)
+
+
+class RemoteTraceback(Exception):
+    """The formatted traceback of an exception raised in another process."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+def _rebuild_exc(exc: BaseException, tb: str) -> BaseException:
+    exc.__cause__ = RemoteTraceback(tb)
+    return exc
+
+
+class ExceptionWithTraceback:
+    """Pickles an exception together with its formatted traceback.
+
+    Unpickled, it *is* the original exception, with ``__cause__`` set to a
+    :class:`RemoteTraceback` holding the remote stack.
+    """
+
+    def __init__(self, exc: BaseException, tb: Any = None) -> None:
+        if tb is None:
+            tb = exc.__traceback__
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        self.exc = exc
+        self.tb = '\n"""\n%s"""' % text
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_exc, (self.exc, self.tb)
+
+
+def with_traceback(exc: BaseException) -> ExceptionWithTraceback:
+    """Wraps ``exc`` so that it crosses a pickle with its traceback as ``__cause__``."""
+    return ExceptionWithTraceback(exc)

@@ -1,0 +1,246 @@
+"""Pickling tensors, storages and numpy arrays through shared memory (``reduce_*``/``rebuild_*``).
+
+Mirrors ``torch.multiprocessing.reductions`` (every public name there exists here) with one
+change of mechanism: CPU storages travel as handles to arena blocks (``rebuild_storage``)
+instead of one fd or one ``/dev/shm`` file per storage. Storages that torch itself put in
+shared memory (``share_memory_()``, DataLoader batches) still travel through torch's handles,
+and CUDA tensors through torch's IPC path until torch_mp_ext's own lands.
+
+Note [Identity of rebuilt storages]
+Each process keeps ``shared_cache``: block handle key -> weak reference to the storage built
+on it. The sender records its own storage when reducing, receivers when rebuilding, so the
+same storage sent twice (or as several views) rebuilds as one storage, and a round trip
+inside one process returns the very same storage (torch's ``test_*_preserve_sharing``). A
+cache hit gives back the reference its handle carried, since the cached storage already
+holds one.
+
+Payloads name this module (``torch_mp_ext.reductions.rebuild_*``): the receiving process
+imports torch_mp_ext while unpickling, and must have it installed.
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing import reduction
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.hooks
+from torch.multiprocessing import reductions as _torch_reductions
+from torch.multiprocessing.reductions import (  # re-exported: same behaviour as torch
+    SharedCache,
+    StorageWeakRef,
+    fd_id,
+    rebuild_cuda_tensor,
+    rebuild_event,
+    rebuild_meta_tensor,
+    rebuild_nested_tensor,
+    rebuild_sparse_compressed_tensor,
+    rebuild_sparse_coo_tensor,
+    rebuild_storage_fd,
+    rebuild_storage_filename,
+    rebuild_typed_storage,
+    rebuild_typed_storage_child,
+    reduce_event,
+    reduce_nested_tensor,
+    reduce_sparse_tensor,
+    reduce_typed_storage,
+    reduce_typed_storage_child,
+)
+
+from . import _C, _memory
+
+__all__ = [
+    "SharedCache",
+    "StorageWeakRef",
+    "fd_id",
+    "init_reductions",
+    "rebuild_array",
+    "rebuild_cuda_tensor",
+    "rebuild_event",
+    "rebuild_meta_tensor",
+    "rebuild_nested_tensor",
+    "rebuild_sparse_compressed_tensor",
+    "rebuild_sparse_coo_tensor",
+    "rebuild_storage",
+    "rebuild_storage_empty",
+    "rebuild_storage_fd",
+    "rebuild_storage_filename",
+    "rebuild_tensor",
+    "rebuild_typed_storage",
+    "rebuild_typed_storage_child",
+    "reduce_array",
+    "reduce_event",
+    "reduce_nested_tensor",
+    "reduce_sparse_tensor",
+    "reduce_storage",
+    "reduce_tensor",
+    "reduce_typed_storage",
+    "reduce_typed_storage_child",
+    "shared_cache",
+    "storage_from_cache",
+]
+
+shared_cache = SharedCache()
+
+#: numpy arrays smaller than this that are not already in shared memory are pickled by
+#: value: for them a copy through the pipe is cheaper than a block (the result is the same,
+#: since such arrays are copied either way).
+NUMPY_MIN_SHARED_BYTES = int(os.environ.get("TORCH_MP_EXT_NUMPY_MIN_BYTES", 64 * 1024))
+
+
+def _cache_key(handle: tuple, offset: int, nbytes: int) -> tuple:
+    # (segment id, block index, generation, offset, nbytes): Note [Identity of rebuilt storages]
+    return ("tmx", handle[1], handle[4], handle[5], offset, nbytes)
+
+
+def storage_from_cache(cls: Any, key: Any) -> torch.UntypedStorage | None:
+    """The live storage cached under ``key`` in this process, or None."""
+    storage_ref = shared_cache.get(key)
+    if storage_ref is None:
+        return None
+    return torch.UntypedStorage._new_with_weak_ptr(storage_ref.cdata)
+
+
+# ---- storages -----------------------------------------------------------------------------
+
+
+def rebuild_storage_empty(cls: Any) -> Any:
+    return cls()
+
+
+def rebuild_storage(cls: Any, handle: tuple, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """Rebuilds a storage from a block handle (zero-copy), taking over its reference."""
+    key = _cache_key(handle, offset, nbytes)
+    storage = storage_from_cache(cls, key)
+    if storage is not None:
+        _C.release_handle(handle)  # the cached storage already holds a reference
+        return storage
+    block = _C.attach(handle)
+    storage = _memory.storage_from_block(block, offset, nbytes)
+    shared_cache[key] = StorageWeakRef(storage)
+    return storage
+
+
+def reduce_storage(storage: torch.UntypedStorage) -> tuple:
+    """Pickles a CPU storage as a block handle, moving it into shared memory first if needed
+    (Note [Moving storages in place] in ``_memory.py``)."""
+    if storage.device.type != "cpu":  # CUDA / meta storages: torch's refusal and messages
+        return _torch_reductions.reduce_storage(storage)
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return (rebuild_storage_empty, (type(storage),))
+    shared = _memory.share_storage(storage)
+    if shared is None:
+        if storage.is_shared():  # put there by torch: keep torch's handles
+            return _torch_reductions.reduce_storage(storage)
+        _memory.move_storage_(storage)
+        shared = _memory.share_storage(storage)
+        if shared is None:  # torch < 2.2 moved it with its own share_memory_()
+            return _torch_reductions.reduce_storage(storage)
+    handle, offset = shared
+    shared_cache[_cache_key(handle, offset, nbytes)] = StorageWeakRef(storage)
+    return (rebuild_storage, (type(storage), handle, offset, nbytes))
+
+
+# ---- tensors ------------------------------------------------------------------------------
+
+
+def rebuild_tensor(cls: Any, storage: Any, metadata: tuple) -> torch.Tensor:
+    storage_offset, size, stride, requires_grad = metadata
+    t = torch._utils._rebuild_tensor(storage, storage_offset, size, stride)
+    if cls == torch.nn.parameter.Parameter:
+        # requires_grad goes into the constructor: integer Parameters must get False there.
+        t = torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
+    else:
+        t.requires_grad = requires_grad
+    return t
+
+
+def reduce_tensor(tensor: torch.Tensor) -> tuple:
+    """Pickles a tensor: CPU storages through :func:`reduce_storage`, the rest as torch does."""
+    if tensor.requires_grad and not tensor.is_leaf:
+        raise RuntimeError(
+            "Cowardly refusing to serialize non-leaf tensor which requires_grad, "
+            "since autograd does not support crossing process boundaries.  "
+            "If you just want to transfer the data, call detach() on the tensor "
+            "before serializing (e.g., putting it on the queue)."
+        )
+    if tensor.device.type != "cpu" or tensor.is_nested or tensor.layout != torch.strided:
+        # CUDA (IPC handles), meta, nested and sparse: torch's reducer, whose component
+        # tensors come back here through the pickler.
+        return _torch_reductions.reduce_tensor(tensor)
+    torch.utils.hooks.warn_if_has_hooks(tensor)
+    # Gradients and hooks are not sent (Note [Don't serialize hooks] in torch).
+    metadata = (tensor.storage_offset(), tensor.size(), tensor.stride(), tensor.requires_grad)
+    return (rebuild_tensor, (type(tensor), tensor._typed_storage(), metadata))
+
+
+# ---- numpy --------------------------------------------------------------------------------
+
+
+def _extent(arr: np.ndarray) -> tuple[int, int]:
+    """(offset of the lowest byte from arr's data pointer, bytes spanned) of an array."""
+    low = high = 0
+    for n, stride in zip(arr.shape, arr.strides):
+        if stride < 0:
+            low += stride * (n - 1)
+        else:
+            high += stride * (n - 1)
+    return low, high - low + arr.itemsize
+
+
+def rebuild_array(
+    handle: tuple, offset: int, shape: tuple, dtype: np.dtype, strides: tuple, writeable: bool
+) -> np.ndarray:
+    """Rebuilds a numpy array viewing a block (zero-copy), taking over its reference."""
+    arr = _memory.array_from_block(_C.attach(handle), offset, shape, dtype, strides)
+    if not writeable:
+        arr.flags.writeable = False
+    return arr
+
+
+def reduce_array(arr: np.ndarray) -> tuple:
+    """Pickles a numpy array: by handle if it lives in a block (zero-copy both ways), else
+    copied once into a new block, or by value when small or of object dtype."""
+    if arr.dtype.hasobject or arr.size == 0:
+        return arr.__reduce__()
+    data = arr.__array_interface__["data"][0]
+    low, span = _extent(arr)
+    shared = _C.share_address(data + low, span)
+    if shared is not None:
+        handle, offset = shared
+        return (
+            rebuild_array,
+            (handle, offset - low, arr.shape, arr.dtype, arr.strides, arr.flags.writeable),
+        )
+    if arr.nbytes < NUMPY_MIN_SHARED_BYTES:
+        return arr.__reduce__()
+    block = _memory.allocate(arr.nbytes)
+    copy = _memory.array_from_block(block, 0, arr.shape, arr.dtype, None)
+    np.copyto(copy, arr, casting="no")
+    return (rebuild_array, (block.share(), 0, arr.shape, arr.dtype, copy.strides, True))
+
+
+# ---- registration -------------------------------------------------------------------------
+
+
+def init_reductions() -> None:
+    """Registers the reducers with ``multiprocessing.reduction.ForkingPickler``.
+
+    Registration is process-wide and by exact type (the last registration wins): this
+    replaces torch's reducers for CPU storages and tensors, keeps torch's for the rest.
+    """
+    reduction.register(torch.cuda.Event, reduce_event)
+    for t in torch._storage_classes:
+        if t.__name__ == "UntypedStorage":
+            reduction.register(t, reduce_storage)
+        else:
+            reduction.register(t, reduce_typed_storage_child)
+    reduction.register(torch.storage.TypedStorage, reduce_typed_storage)
+    for t in torch._tensor_classes:
+        reduction.register(t, reduce_tensor)
+    reduction.register(torch.Tensor, reduce_tensor)
+    reduction.register(torch.nn.parameter.Parameter, reduce_tensor)
+    reduction.register(np.ndarray, reduce_array)
