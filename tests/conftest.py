@@ -36,15 +36,40 @@ def _persistent_fds() -> set[str]:
     tracker_fd = getattr(resource_tracker._resource_tracker, "_fd", None)
     if tracker_fd is not None:
         fds.add(str(tracker_fd))
+    from multiprocessing import resource_sharer  # torch's fd strategy serves fds through it
+
+    listener = getattr(resource_sharer._resource_sharer, "_listener", None)
+    if listener is not None:
+        fds.add(str(listener._listener._socket.fileno()))
     return fds
 
 
 def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd")) - _persistent_fds()
+    """Open fds of this process, without the directory handle the listing itself uses."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the listing's own (already closed) directory fd
+        if not target.startswith(f"/proc/{os.getpid()}/fd"):
+            fds.add(name)
+    return fds - _persistent_fds()
+
+
+def _describe_fds(fds: set[str]) -> list[str]:
+    out = []
+    for fd in sorted(fds, key=int):
+        try:
+            out.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            out.append(f"{fd} (closed since)")
+    return out
 
 
 def child_pids() -> set[int]:
-    """Processes whose parent is this one, zombies included, minus session-long helpers."""
+    """Processes whose parent is this one, zombies included, minus session-long helpers
+    (the forkserver, the resource tracker, torch's torch_shm_manager)."""
     me = os.getpid()
     skip = set()
     from multiprocessing import forkserver, resource_tracker
@@ -65,6 +90,8 @@ def child_pids() -> set[int]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
+        if "(torch_shm_manag" in stat:  # torch's fs-strategy daemon: lives with its clients
+            continue
         if int(fields[1]) == me and int(entry) not in skip:
             kids.add(int(entry))
     return kids
@@ -97,7 +124,7 @@ def leak_check(request):
         time.sleep(0.05)
     assert not kids, f"test left child processes behind: {sorted(kids)}"
     assert not new_shm, f"test left shared memory behind in /dev/shm: {sorted(new_shm)}"
-    assert not new_fds, f"test left fds open: {sorted(new_fds, key=int)}"
+    assert not new_fds, f"test left fds open: {_describe_fds(new_fds)}"
 
 
 @pytest.fixture(params=START_METHODS)
