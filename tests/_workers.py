@@ -76,3 +76,37 @@ def array_round_trip(q_in, q_out):
     out[...] = arr * 2
     q_out.put((arr, out))
     q_in.get(timeout=60)  # wait for the parent to be done with both
+
+
+def counter_decrement(name, segment_id, slot, q):
+    """Opens a counter file by name, records itself as the slot's holder, decrements."""
+    from torch_mp_ext import _C
+
+    counters = _C.CounterFile.open(name, segment_id)
+    counters.set_holder(slot, _C.holder_key())
+    q.put(counters.add(slot, -1))
+
+
+def counter_hold_forever(name, segment_id, slot, q):
+    from torch_mp_ext import _C
+
+    counters = _C.CounterFile.open(name, segment_id)
+    counters.set_holder(slot, _C.holder_key())
+    q.put("holding")
+    while True:
+        time.sleep(1)
+
+
+def receive_and_drop(q, out):
+    """Receives one item, reports a checksum, drops it and exits normally."""
+    item = q.get(timeout=60)
+    out.put(float(item.sum()))
+    del item
+
+
+def drop_block_handle(handle, q):
+    from torch_mp_ext import _C
+
+    block = _C.attach(handle)
+    q.put(block.refcount)
+    del block

@@ -38,7 +38,7 @@ std::string human_bytes(uint64_t n) {
 
 /// The fix to suggest when shared memory of `size` bytes could not be allocated.
 std::string no_space_hint(size_t size, bool in_dev_shm) {
-  std::string hint = "could not reserve " + std::to_string(size) + " bytes (" +
+  std::string hint = "Could not reserve " + std::to_string(size) + " bytes (" +
                      human_bytes(size) + ") of shared memory";
   if (in_dev_shm) {
     struct statvfs st;

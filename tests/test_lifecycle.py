@@ -1,0 +1,204 @@
+"""Where shared memory lives and when it goes: names, crashes, fd limits, a full /dev/shm."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import torch_mp_ext as mp
+from torch_mp_ext import _C
+
+from . import _workers
+from .conftest import shm_entries
+
+
+@pytest.fixture
+def file_system():
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    yield
+    mp.set_sharing_strategy(before)
+
+
+def names_of(pid: int) -> set[str]:
+    return {n for n in shm_entries() if n.startswith(f"torch_{pid}_")}
+
+
+def wait_until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_file_system_name_exists_while_alive_and_then_vanishes(file_system):
+    """torch's test_fs: the name starts with torch_<creator pid> and goes with the storage."""
+    me = os.getpid()
+    t = torch.full((4,), 1.0, dtype=torch.float64)
+    assert names_of(me) == set()
+    q = mp.get_context("fork").SimpleQueue()
+    q.put(t)  # moved into a named segment now
+    assert len(names_of(me)) == 1
+    u = q.get()
+    assert torch.equal(u, t)
+    del t, u
+    assert names_of(me) == set()
+    q.close()
+
+
+def test_file_descriptor_strategy_leaves_no_names():
+    before = shm_entries()
+    t = mp.empty(1 << 16)
+    assert shm_entries() == before
+    del t
+
+
+def test_sigkilled_sender_leaves_no_name_once_the_receiver_drops_it():
+    ctx = mp.get_context("spawn")
+    q, e = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_workers.send_named_and_wait, args=(q, e))
+    p.start()
+    t = q.get(timeout=60)
+    assert t.eq(7).all() and len(names_of(p.pid)) == 1
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    assert len(names_of(p.pid)) == 1  # our mapping keeps it alive and named
+    del t  # the last live holder: the dead sender's reference no longer counts
+    assert names_of(p.pid) == set()
+    q.close()
+    q.join_thread()
+
+
+def test_sigkilled_sender_leaves_no_name_once_its_peers_exit():
+    ctx = mp.get_context("spawn")
+    q, e, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    sender = ctx.Process(target=_workers.send_named_and_wait, args=(q, e))
+    sender.start()
+    assert wait_until(lambda: names_of(sender.pid))  # the tensor is in flight in q
+    os.kill(sender.pid, signal.SIGKILL)
+    sender.join(60)
+    peer = ctx.Process(target=_workers.receive_and_drop, args=(q, out))
+    peer.start()
+    assert out.get(timeout=60) == 7.0 * 1024  # a message outlives its SIGKILLed sender
+    peer.join(60)
+    assert peer.exitcode == 0
+    assert names_of(sender.pid) == set()
+    for queue in (q, out):
+        queue.close()
+        queue.join_thread()
+
+
+def test_cleanup_reaps_names_of_dead_processes(file_system):
+    """A segment named by nothing in flight, whose holders all died, is garbage."""
+    script = textwrap.dedent(
+        """
+        import os, torch, torch_mp_ext as mp
+        mp.set_sharing_strategy("file_system")
+        t = mp.empty(100)
+        print(t.untyped_storage().data_ptr(), flush=True)
+        os.kill(os.getpid(), 9)
+        """
+    )
+    before = shm_entries()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == -signal.SIGKILL
+    pid_names = shm_entries() - before
+    assert pid_names  # the SIGKILLed process could not clean up
+    out = subprocess.run([sys.executable, "-m", "torch_mp_ext", "cleanup"], capture_output=True,
+                         text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert not (pid_names & shm_entries())
+    for name in pid_names:
+        assert name in out.stdout
+
+
+def test_ten_thousand_live_tensors_under_a_low_fd_limit():
+    """torch fails here with 'received 0 items of ancdata' (one fd per received storage)."""
+    ctx = mp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    count = 10_000
+    p = ctx.Process(target=_workers.receive_many_under_fd_limit, args=(q, out, count, 256))
+    p.start()
+    sent = [torch.full((4,), float(i)) for i in range(count)]
+    for t in sent:
+        q.put(t)
+    received, distinct, total, fds = out.get(timeout=300)
+    p.join(120)
+    assert p.exitcode == 0
+    assert received == count and distinct == count
+    assert total == sum(range(count))
+    assert fds < 64
+    del sent
+    for queue in (q, out):
+        queue.close()
+        queue.join_thread()
+
+
+def _in_small_dev_shm(script: str, size: str = "8m") -> subprocess.CompletedProcess:
+    """Runs `script` in a private mount namespace whose /dev/shm is a small tmpfs."""
+    shell = f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} -c \"$0\""
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell, script],
+        capture_output=True, text=True, timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+
+
+needs_unshare = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare(1) to mount a small tmpfs on a private /dev/shm",
+)
+
+
+@needs_unshare
+def test_full_dev_shm_is_a_clear_error_at_allocation_never_sigbus():
+    script = textwrap.dedent(
+        """
+        import errno, torch, torch_mp_ext as mp
+        from multiprocessing.reduction import ForkingPickler
+        from torch_mp_ext import _C
+        from torch_mp_ext.errors import SharedMemoryError
+        mp.set_sharing_strategy("file_system")
+        for make in (lambda: mp.empty(4 << 20),                          # 16 MB > 8 MB
+                     lambda: ForkingPickler.dumps(torch.ones(4 << 20))):  # moved on send
+            try:
+                make()
+            except SharedMemoryError as e:
+                assert isinstance(e, OSError) and e.errno == errno.ENOSPC, e
+                assert "bytes (16.0 MiB)" in str(e) and "--shm-size" in str(e), str(e)
+                assert "/dev/shm/torch_" in e.filename, e.filename
+                print("fs:", e)
+            else:
+                raise SystemExit("no error")
+        mp.set_sharing_strategy("file_descriptor")
+        _C.set_anonymous_backend("shm")  # torch's way: counts against /dev/shm
+        try:
+            mp.empty(4 << 20)
+        except SharedMemoryError as e:
+            assert e.errno == errno.ENOSPC and "--shm-size" in str(e)
+            print("fd/shm:", e)
+        else:
+            raise SystemExit("no error")
+        _C.set_anonymous_backend("memfd")  # the default: not bounded by /dev/shm
+        t = mp.empty(16 << 20)
+        t.fill_(1)
+        print("memfd ok", float(t.sum()))
+        """
+    )
+    proc = _in_small_dev_shm(script)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fs:" in proc.stdout and "fd/shm:" in proc.stdout
+    assert "memfd ok 16777216.0" in proc.stdout
