@@ -14,7 +14,6 @@ import pytest
 
 import _spawn_workers as w
 import torch_mp_ext as mp
-from torch_mp_ext import _forkserver
 from torch_mp_ext.errors import ProcessException, RemoteTraceback
 
 torch_spawn = sys.modules["torch.multiprocessing.spawn"]

@@ -112,7 +112,8 @@ def _shm_usage() -> str:
         st = os.statvfs("/dev/shm")
     except OSError:
         return "/dev/shm is missing"
-    return f"/dev/shm has {_size(st.f_bavail * st.f_frsize)} free of {_size(st.f_blocks * st.f_frsize)}"
+    free, total = _size(st.f_bavail * st.f_frsize), _size(st.f_blocks * st.f_frsize)
+    return f"/dev/shm has {free} free of {total}"
 
 
 def read_fault_file(path: str) -> str:
@@ -139,7 +140,8 @@ def _oom_evidence(before: dict[str, int] | None) -> str | None:
         return None
     path, old, new = risen[0]
     where = "on this machine" if path == _VMSTAT else "in this cgroup"
-    return f"oom_kill in {path} rose from {old} to {new} while it ran ({new - old} OOM kill(s) {where})"
+    return (f"oom_kill in {path} rose from {old} to {new} while it ran "
+            f"({new - old} OOM kill(s) {where})")
 
 
 def explain_exit(

@@ -73,6 +73,11 @@ _IS_LINUX = sys.platform.startswith("linux")
 _inherited_fds: list[int] = []
 
 
+def _server_command(listener_fd: int, alive_r: int, preload: list[str], main_spec: dict) -> str:
+    return (f"from torch_mp_ext._forkserver import main; "
+            f"main({listener_fd}, {alive_r}, {preload!r}, {main_spec!r}, {sys.path!r})")
+
+
 class _Server:
     """The launcher's handle on its server process."""
 
@@ -106,11 +111,11 @@ class _Server:
             listener.listen()
             alive_r, alive_w = os.pipe()
             try:
-                cmd = "from torch_mp_ext._forkserver import main; main(%d, %d, %r, %r, %r)" % (
-                    listener.fileno(), alive_r, self.preload, main_spec, sys.path)
+                cmd = _server_command(listener.fileno(), alive_r, self.preload, main_spec)
                 exe = spawn.get_executable()
-                args = [exe, *util._args_from_interpreter_flags(), "-c", cmd]
-                pid = util.spawnv_passfds(exe, args, [listener.fileno(), alive_r])
+                flags = util._args_from_interpreter_flags()  # type: ignore[attr-defined]
+                pid = util.spawnv_passfds(exe, [exe, *flags, "-c", cmd],  # type: ignore[arg-type]
+                                          [listener.fileno(), alive_r])
             except BaseException:
                 os.close(alive_w)
                 raise
@@ -150,14 +155,16 @@ class _Server:
     def connect_to_new_process(self, fds: list[int]) -> tuple[int, int]:
         """Asks the server for a worker; returns (status fd to read, data fd to write)."""
         self.ensure_running()
+        address = self.address
         if len(fds) + 3 >= _MAXFDS_TO_SEND:
             raise ValueError(f"too many fds to pass to a worker ({len(fds)})")
+        tracker_fd: int = resource_tracker.getfd()  # type: ignore[assignment]
         with socket.socket(socket.AF_UNIX) as client:
-            client.connect(self.address)
+            client.connect(address)  # type: ignore[arg-type]
             parent_r, child_w = os.pipe()
             child_r, parent_w = os.pipe()
             try:
-                reduction.sendfds(client, [child_r, child_w, resource_tracker.getfd(), *fds])
+                reduction.sendfds(client, [child_r, child_w, tracker_fd, *fds])
                 return parent_r, parent_w
             except BaseException:
                 os.close(parent_r)
@@ -217,10 +224,11 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             set_spawning_popen(None)
-        self.sentinel, w = _server.connect_to_new_process(self._fds)
+        self.sentinel, w = _server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         # The worker's parent_process().sentinel: a copy of the data pipe's write end.
         _parent_w = os.dup(w)
-        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        self.finalizer = util.Finalize(self, util.close_fds,  # type: ignore[attr-defined]
+                                       (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = _stdlib_forkserver.read_signed(self.sentinel)
@@ -269,16 +277,18 @@ def _thread_count() -> int:
 def _preload_main(main_spec: dict) -> str | None:
     """Imports the launcher's main module here; returns why that was unsafe, or None."""
     threads = _thread_count()
-    process.current_process()._inheriting = True  # as spawn workers import it
+    me: Any = process.current_process()
+    me._inheriting = True  # as spawn workers import it
     try:
         if "init_main_from_path" in main_spec:
             spawn.import_main_path(main_spec["init_main_from_path"])
         elif "init_main_from_name" in main_spec:
-            spawn._fixup_main_from_name(main_spec["init_main_from_name"])
+            spawn._fixup_main_from_name(  # type: ignore[attr-defined]
+                main_spec["init_main_from_name"])
     except BaseException as e:  # noqa: BLE001 (SystemExit from a script without a main guard)
         return f"importing it failed ({type(e).__name__}: {e})"
     finally:
-        del process.current_process()._inheriting
+        del me._inheriting
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "importing it initialised CUDA"
@@ -304,10 +314,9 @@ def main(listener_fd: int, alive_r: int, preload: list[str], main_spec: dict,
             sys.stderr.write(f"torch_mp_ext forkserver: not preloading {where}: {why}; "
                              "workers import it themselves\n")
             sys.stderr.flush()
-            cmd = "from torch_mp_ext._forkserver import main; main(%d, %d, %r, {}, %r)" % (
-                listener_fd, alive_r, preload, sys_path)
-            os.execv(sys.executable, [sys.executable, *util._args_from_interpreter_flags(),
-                                      "-c", cmd])
+            cmd = _server_command(listener_fd, alive_r, preload, {})
+            flags = util._args_from_interpreter_flags()  # type: ignore[attr-defined]
+            os.execv(sys.executable, [sys.executable, *flags, "-c", cmd])
     _serve(listener_fd, alive_r)
 
 
@@ -325,7 +334,7 @@ def _serve(listener_fd: int, alive_r: int) -> None:
     sig_r, sig_w = os.pipe()
     os.set_blocking(sig_r, False)
     os.set_blocking(sig_w, False)
-    handlers = {signal.SIGCHLD: lambda *_: None, signal.SIGINT: signal.SIG_IGN}
+    handlers: dict[int, Any] = {signal.SIGCHLD: lambda *_: None, signal.SIGINT: signal.SIG_IGN}
     old_handlers = {sig: signal.signal(sig, val) for sig, val in handlers.items()}
     signal.set_wakeup_fd(sig_w)  # os.write in a Python signal handler would be racy
     pid_to_fd: dict[int, int] = {}
@@ -411,6 +420,7 @@ def _serve_one(child_r: int, fds: list[int], unused: list[int], handlers: dict,
     for fd in unused:
         os.close(fd)
     tracker_fd, *_inherited_fds = fds
-    resource_tracker._resource_tracker._fd = tracker_fd  # the launcher's tracker, as stdlib
+    # The launcher's resource tracker, as the standard library's forkserver does.
+    resource_tracker._resource_tracker._fd = tracker_fd  # type: ignore[attr-defined]
     parent_sentinel = os.dup(child_r)
     return spawn._main(child_r, parent_sentinel)

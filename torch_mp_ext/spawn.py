@@ -302,16 +302,17 @@ class ProcessContext:
                                 if i != error_index and self._failed(i)]
         listing = ""
         if len(failures) > 1:
-            listing = f"\n\n-- {len(failures)} processes failed, the first is reported:\n" + "\n".join(
+            listing = f"\n\n-- {len(failures)} processes failed, the first is reported:\n"
+            listing += "\n".join(
                 f"   process {f.index:d} (pid {f.pid}): {f.summary}" for f in failures)
-        pid = failure.pid
+        pid: Any = failure.pid
         error: ProcessException
         if failure.reason == "raised":
             msg = f"{listing}\n\n-- Process {error_index:d} terminated with the following error:\n"
             error = ProcessRaisedException(msg + text, error_index, pid)
             error.__cause__ = exc
         else:
-            code = failure.exit_code
+            code: Any = failure.exit_code
             if failure.signal_name is not None:
                 msg = f"process {error_index:d} terminated with signal {failure.signal_name}"
             else:
