@@ -5,25 +5,15 @@ object travels with its traceback and becomes the ``__cause__`` of the parent's
 ``ProcessRaisedException``; deaths by signal are explained (an OOM kill, SIGBUS from a full
 ``/dev/shm``, a segfault with the child's stack from ``faulthandler``); every failed process is
 listed, not only the first; error files live in one private directory removed once read
-(torch leaves them in ``/tmp``); children get ``PR_SET_PDEATHSIG(SIGKILL)``, not SIGINT
-(Note [Children die with their parent]); processes already started are killed when a later one
-fails to start; ``start_method="forkserver"`` uses torch_mp_ext's fast forkserver (torch and
-``__main__`` preloaded, workers started in parallel) unless ``TORCH_MP_PARALLEL_START=0``.
+(torch leaves them in ``/tmp``); children get ``PR_SET_PDEATHSIG(SIGKILL)``, not SIGINT; processes
+already started are killed when a later one fails to start; ``start_method="forkserver"`` uses
+torch_mp_ext's fast forkserver (torch and ``__main__`` preloaded, workers started in parallel)
+unless ``TORCH_MP_PARALLEL_START=0``. The worker side (``_wrap``, the error files, Note
+[Children die with their parent]) is in ``_worker.py``.
 
 Same signatures, defaults, messages, warnings and log records as torch, so code and tests that
 match on them keep working: the join algorithm (first failure, ``grace_period``, SIGTERM,
 ``grace_period`` or 30 s, SIGKILL) is torch's line for line.
-
-Note [Children die with their parent]
-torch's children ask for SIGINT when their parent dies, which a child can catch (torch's own
-``_wrap`` turns it into a clean exit) or not see while stuck in native code. Ours ask for
-SIGKILL, which always works, and check right after asking that the parent did not die before
-(the window of a spawn child's start-up). The kernel sends the signal when the thread that
-started the child ends, so start long-lived workers from a long-lived thread. Through the fast
-forkserver the parent is the server, which dies with its launcher (see
-``_forkserver.py``); through the standard library's forkserver (``TORCH_MP_PARALLEL_START=0``)
-it is a server that outlives its launcher, so those children also watch the launcher's
-sentinel from a thread. Grandchildren started the same way die with their parent in turn.
 """
 
 from __future__ import annotations
@@ -32,27 +22,21 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
-import shutil
-import signal
-import sys
 import tempfile
-import threading
 import time
-import traceback
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from . import _C, _exits, _forkserver
+from . import _exits, _forkserver
 from ._context import default_context
+from ._worker import FAULT_SUFFIX, _wrap, read_error_file, remove_files
 from .errors import (
     ProcessException,
     ProcessExitedException,
     ProcessFailure,
     ProcessRaisedException,
-    with_traceback,
 )
 
 ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
@@ -70,103 +54,6 @@ __all__ = [
     "spawn",
     "start_processes",
 ]
-
-FAULT_SUFFIX = ".faulthandler"
-_ERROR_FORMAT = "torch_mp_ext-error-1"
-_IS_LINUX = sys.platform.startswith("linux")
-
-
-# --- in the child -------------------------------------------------------------------------
-
-
-def _die_with_parent(parent: tuple[str, int | None]) -> None:
-    """Note [Children die with their parent]."""
-    how, expected_ppid = parent
-    if _IS_LINUX:
-        _C.set_pdeathsig(signal.SIGKILL)
-    if expected_ppid is not None and os.getppid() != expected_ppid:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if how == "watch":
-        launcher = multiprocessing.parent_process()
-        if launcher is not None:
-            threading.Thread(target=_kill_self_when_ready, args=(launcher.sentinel,),
-                             name="torch_mp_ext-parent-watch", daemon=True).start()
-
-
-def _kill_self_when_ready(sentinel: int) -> None:
-    multiprocessing.connection.wait([sentinel])
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _write_error_file(path: str, exc: Exception) -> None:
-    text = traceback.format_exc()
-    try:
-        payload: bytes | None = pickle.dumps(with_traceback(exc))
-    except Exception:  # noqa: BLE001 (unpicklable: the text alone travels, as in torch)
-        payload = None
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as fh:
-        pickle.dump((_ERROR_FORMAT, text, payload), fh)
-    os.replace(tmp, path)  # the parent never reads half a file
-
-
-def _wrap(fn: Callable[..., Any], i: int, args: tuple, error_file: str,
-          parent: tuple[str, int | None] = ("pdeathsig", None)) -> None:
-    _die_with_parent(parent)
-    try:
-        # Kept open until exit: a crash while the interpreter shuts down is reported too.
-        fault_file = open(error_file + FAULT_SUFFIX, "w")  # noqa: SIM115
-    except OSError:
-        pass
-    else:
-        import faulthandler
-
-        faulthandler.enable(file=fault_file, all_threads=True)
-    try:
-        fn(i, *args)
-    except KeyboardInterrupt:
-        pass  # SIGINT (Ctrl-C reaches the whole process group): exit quietly, as torch does
-    except Exception as e:
-        # Propagate the exception (and its text) to the parent through a file, as torch
-        # does: a queue could deadlock.
-        _write_error_file(error_file, e)
-        sys.exit(1)
-
-
-# --- in the parent ------------------------------------------------------------------------
-
-
-def _read_error_file(path: str) -> tuple[str, BaseException | None] | None:
-    """(traceback text, the child's exception if it unpickles) from an error file, or None."""
-    try:
-        with open(path, "rb") as fh:
-            data = pickle.load(fh)
-    except FileNotFoundError:
-        return None
-    except Exception as e:  # noqa: BLE001
-        return f"(the error file {path} could not be read: {e!r})\n", None
-    if isinstance(data, str):  # written by torch's own _wrap
-        return data, None
-    _, text, payload = data
-    exc = None
-    if payload is not None:
-        try:
-            exc = pickle.loads(payload)
-        except Exception:  # noqa: BLE001 (e.g. its class does not import here: text only)
-            exc = None
-    return text, exc
-
-
-def _remove_files(error_files: list[str], directory: str | None) -> None:
-    for path in error_files:
-        for name in (path, path + FAULT_SUFFIX):
-            try:
-                os.unlink(name)
-            except OSError:
-                pass
-    if directory is not None:
-        shutil.rmtree(directory, ignore_errors=True)
-
 
 class ProcessContext:
     """The processes started by :func:`start_processes`, joined together.
@@ -190,11 +77,11 @@ class ProcessContext:
         self.processes = processes
         self.sentinels = {process.sentinel: index for index, process in enumerate(processes)}
         self._signalled: set[int] = set()
-        self._cleanup = weakref.finalize(self, _remove_files, list(error_files), None)
+        self._cleanup = weakref.finalize(self, remove_files, list(error_files), None)
 
     def _own_directory(self, directory: str) -> None:
         self._cleanup.detach()
-        self._cleanup = weakref.finalize(self, _remove_files, list(self.error_files), directory)
+        self._cleanup = weakref.finalize(self, remove_files, list(self.error_files), directory)
 
     def pids(self) -> list[int]:
         """The processes' pids, in index order."""
@@ -278,7 +165,7 @@ class ProcessContext:
         """(failure record, text to show, the child's exception) for a failed process."""
         process = self.processes[index]
         code = process.exitcode
-        record = _read_error_file(self.error_files[index])
+        record = read_error_file(self.error_files[index])
         if record is not None:
             text, exc = record
             reason = "raised"
@@ -403,7 +290,7 @@ def start_processes(
         for process in processes:  # the ones that did start must not outlive the error
             process.kill()
             process.join()
-        _remove_files(error_files, directory)
+        remove_files(error_files, directory)
         raise
     context = ProcessContext(processes, error_files)
     context._own_directory(directory)
