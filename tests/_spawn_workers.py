@@ -104,6 +104,11 @@ def exhaust_memory(i, cgroup_dir):
         hog.append(bytearray(16 << 20))  # touched: bytearray zero-fills
 
 
+def ready_then_sleep(i, q):
+    q.put(os.getpid())
+    time.sleep(60)
+
+
 def nested_sleeper(i, q):
     q.put(os.getpid())
     time.sleep(120)

@@ -6,6 +6,7 @@ import json
 import multiprocessing.forkserver
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -45,6 +46,14 @@ def test_workers_fork_from_the_server_and_see_the_launchers_state(monkeypatch):
     assert [r["ppid"] for r in reports] == [server, server]
     assert {r["env"] for r in reports} == {"set after the server started"}
     assert {r["strategy"] for r in reports} == {"file_system"}
+
+
+def test_workers_take_ctrl_c_like_spawn_workers():
+    q = mp.get_context("forkserver").SimpleQueue()
+    context = start(w.ready_then_sleep, (q,), nprocs=1)
+    os.kill(get(q), signal.SIGINT)  # KeyboardInterrupt: the worker exits 0, as torch's do
+    join_within(context, seconds=20)
+    assert context.processes[0].exitcode == 0
 
 
 def test_parallel_start_off_is_torchs_forkserver(monkeypatch):

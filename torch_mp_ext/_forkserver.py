@@ -336,6 +336,8 @@ def _serve(listener_fd: int, alive_r: int) -> None:
     os.set_blocking(sig_w, False)
     handlers: dict[int, Any] = {signal.SIGCHLD: lambda *_: None, signal.SIGINT: signal.SIG_IGN}
     old_handlers = {sig: signal.signal(sig, val) for sig, val in handlers.items()}
+    # main() ignored SIGINT already; workers get Python's own handler back, as spawn workers.
+    old_handlers[signal.SIGINT] = signal.default_int_handler
     signal.set_wakeup_fd(sig_w)  # os.write in a Python signal handler would be racy
     pid_to_fd: dict[int, int] = {}
     server = os.getpid()
