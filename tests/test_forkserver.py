@@ -92,6 +92,8 @@ def test_main_module_is_preloaded_where_safe(tmp_path, start_thread):
     else:  # imported once, by the server (the workers' parent)
         assert all(r["main_mark"] == r["ppid"] for r in reports)
         assert "not preloading" not in out.stderr
+    # The launcher stopped and reaped its server at exit: not even a zombie is left.
+    assert not os.path.exists(f"/proc/{reports[0]['ppid']}")
 
 
 ORPHAN_SCRIPT = """

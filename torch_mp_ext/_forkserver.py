@@ -47,6 +47,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from multiprocessing import forkserver as _stdlib_forkserver
 from multiprocessing import popen_forkserver, process, reduction, resource_tracker, spawn, util
 from multiprocessing.context import set_spawning_popen
@@ -122,6 +123,9 @@ class _Server:
             finally:
                 os.close(alive_r)
         self.pid, self.alive_fd, self.address = pid, alive_w, address
+        # At exit, after multiprocessing has joined this process's children (finalizers of
+        # negative priority run last), so the server is reaped rather than left a zombie.
+        util.Finalize(None, self.stop, exitpriority=-50)
         return pid
 
     def _forget(self) -> None:
@@ -134,16 +138,13 @@ class _Server:
                 pass
         self.pid = self.alive_fd = self.address = None
 
-    def stop(self) -> None:
-        """Stops the server (it kills its workers) and waits for it."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops the server (it kills its workers) and reaps it; SIGKILL after ``timeout`` s."""
         with self._lock:
             pid = self.pid
             self._forget()
-            if pid is not None:
-                try:
-                    os.waitpid(pid, 0)
-                except ChildProcessError:
-                    pass
+        if pid is not None:
+            _reap_within(pid, timeout)
 
     def after_fork_in_child(self) -> None:
         # Note [Dying with the launcher]: a fork child must not keep the server alive.
@@ -355,6 +356,8 @@ def _serve(listener_fd: int, alive_r: int) -> None:
                             os.kill(pid, signal.SIGKILL)
                         except ProcessLookupError:
                             pass
+                    for pid in pid_to_fd:  # reaped here: an orphaned zombie may never be
+                        _reap_within(pid, 2.0)
                     return
                 if sig_r in ready:
                     _reap(sig_r, pid_to_fd)
@@ -388,6 +391,20 @@ def _serve(listener_fd: int, alive_r: int) -> None:
             except OSError as e:
                 if e.errno != errno.ECONNABORTED:
                     raise
+
+
+def _reap_within(pid: int, timeout: float) -> None:
+    """Waits for child ``pid`` to exit, SIGKILLing it after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    try:
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.01)
+    except ChildProcessError:
+        pass
 
 
 def _reap(sig_r: int, pid_to_fd: dict[int, int]) -> None:
