@@ -106,8 +106,8 @@ class ProcessContext:
             grace_period: seconds the other processes get before each signal, after a failure.
 
         Returns:
-            True when every process has exited successfully (and on any later call), False if
-            some are still running.
+            True when every process has exited successfully (and on any later call then),
+            False if some are still running.
 
         Raises:
             ProcessRaisedException: ``fn`` raised in a process; the child's exception, when it
