@@ -26,8 +26,8 @@ def shm_entries() -> set[str]:
 
 
 def _persistent_fds() -> set[str]:
-    """fds of session-long helpers: the forkserver, the resource tracker, our fd server."""
-    fds = set()
+    """fds of session-long helpers: the forkservers, the resource tracker, our fd server."""
+    fds = {str(fd) for fd in torch_mp_ext._forkserver.server_fds()}
     from multiprocessing import forkserver, resource_tracker
 
     alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
@@ -75,6 +75,7 @@ def child_pids() -> set[int]:
     from multiprocessing import forkserver, resource_tracker
 
     for pid in (
+        torch_mp_ext._forkserver.server_pid(),
         getattr(forkserver._forkserver, "_forkserver_pid", None),
         getattr(resource_tracker._resource_tracker, "_pid", None),
     ):

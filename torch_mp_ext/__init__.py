@@ -39,7 +39,7 @@ from .sharing import (
     get_sharing_strategy,
     set_sharing_strategy,
 )
-from torch.multiprocessing.spawn import (  # noqa: E402  (until torch_mp_ext.spawn lands)
+from .spawn import (  # noqa: E402  (the function shadows the submodule, as in torch)
     ENV_VAR_PARALLEL_START,
     ProcessContext,
     ProcessExitedException,
@@ -48,6 +48,8 @@ from torch.multiprocessing.spawn import (  # noqa: E402  (until torch_mp_ext.spa
     spawn,
     start_processes,
 )
+from ._forkserver import start_forkserver  # noqa: E402
+from .launch import launch  # noqa: E402
 
 # The standard library's names, bound to torch_mp_ext's default context (as multiprocessing
 # binds them to its own): mp.Process, mp.Queue, mp.get_context(...), ...

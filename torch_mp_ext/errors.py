@@ -11,9 +11,14 @@ Exceptions that cross process boundaries pickle, and carry the remote traceback 
 
 from __future__ import annotations
 
+import dataclasses
 import errno as _errno
 import traceback
 from typing import Any
+
+from torch.multiprocessing.spawn import ProcessException as _TorchProcessException
+from torch.multiprocessing.spawn import ProcessExitedException as _TorchProcessExitedException
+from torch.multiprocessing.spawn import ProcessRaisedException as _TorchProcessRaisedException
 
 __all__ = [
     "TorchMPExtError",
@@ -21,6 +26,10 @@ __all__ = [
     "CorruptSegmentError",
     "PeerDiedError",
     "InvalidSharingStrategyError",
+    "ProcessException",
+    "ProcessRaisedException",
+    "ProcessExitedException",
+    "ProcessFailure",
     "RemoteTraceback",
     "ExceptionWithTraceback",
     "with_traceback",
@@ -103,3 +112,63 @@ class ExceptionWithTraceback:
 def with_traceback(exc: BaseException) -> ExceptionWithTraceback:
     """Wraps ``exc`` so that it crosses a pickle with its traceback as ``__cause__``."""
     return ExceptionWithTraceback(exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessFailure:
+    """How one process started by :func:`~torch_mp_ext.start_processes` failed.
+
+    Attributes:
+        index: the process index (``fn``'s first argument).
+        pid: its pid.
+        exit_code: ``Process.exitcode``: the exit status, or minus the signal number.
+        signal_name: the signal's name (``"SIGSEGV"``) when a signal ended it, else ``None``.
+        reason: one word for what happened: ``"raised"``, ``"exit_code"``, ``"oom_kill"``,
+            ``"bus_error"``, ``"segfault"``, ``"abort"`` or ``"signal"``.
+        summary: one line saying what happened (the exception, or the signal's meaning).
+    """
+
+    index: int
+    pid: int | None
+    exit_code: int | None
+    signal_name: str | None
+    reason: str
+    summary: str
+
+
+class ProcessException(_TorchProcessException, TorchMPExtError):
+    """A process started by :func:`~torch_mp_ext.start_processes` failed.
+
+    A ``torch.multiprocessing.spawn.ProcessException`` too, with its constructor,
+    ``error_index`` and ``error_pid``; ``pid`` is an alias of ``error_pid`` (torch < 1.13's
+    name). ``failures`` lists every process that failed, the reported one first.
+    """
+
+    failures: tuple[ProcessFailure, ...] = ()
+
+    @property
+    def pid(self) -> int:
+        """The failed process's pid (``error_pid``)."""
+        return self.error_pid
+
+    def __reduce__(self) -> tuple:
+        cls, args = super().__reduce__()[:2]
+        return cls, args, {"failures": self.failures}
+
+
+class ProcessRaisedException(ProcessException, _TorchProcessRaisedException):
+    """A process failed because ``fn`` raised an exception.
+
+    The message is torch's (it ends with the last line of the child's traceback). When the
+    child's exception could be pickled it is this exception's ``__cause__``, itself caused
+    by a :class:`RemoteTraceback` holding the child's stack.
+    """
+
+
+class ProcessExitedException(ProcessException, _TorchProcessExitedException):
+    """A process exited with a non-zero code or was ended by a signal.
+
+    ``exit_code`` is negative for a signal, whose name is ``signal_name``; the message says
+    what the signal usually means (an OOM kill, a full ``/dev/shm``, a segfault with the
+    child's stack).
+    """
