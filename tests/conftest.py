@@ -25,6 +25,25 @@ def shm_entries() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
 
 
+def _creator_alive_elsewhere(name: str) -> bool:
+    """True for torch_<pid>_... names of a live process other than this one: another
+    program's segments (a concurrent test run), not this test's leak. A leaking child of
+    this test is caught as a leftover process; a dead one's segments still count."""
+    try:
+        pid = int(name.split("_")[1])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _persistent_fds() -> set[str]:
     """fds of session-long helpers: the forkservers, the resource tracker, our fd server."""
     fds = {str(fd) for fd in torch_mp_ext._forkserver.server_fds()}
@@ -117,7 +136,7 @@ def leak_check(request):
         multiprocessing.active_children()  # joins finished children of this test
         gc.collect()
         torch_mp_ext.empty_cache()
-        new_shm = shm_entries() - shm_before
+        new_shm = {n for n in shm_entries() - shm_before if not _creator_alive_elsewhere(n)}
         new_fds = open_fds() - fds_before
         kids = child_pids()
         if not (new_shm or new_fds or kids) or time.monotonic() > deadline:

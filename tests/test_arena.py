@@ -9,7 +9,7 @@ import torch
 import torch_mp_ext as mp
 from torch_mp_ext import _C
 
-from . import _workers
+import _workers
 
 
 def test_empty_and_zeros_shapes_dtypes_and_grad():

@@ -17,8 +17,8 @@ import torch
 import torch_mp_ext as mp
 from torch_mp_ext import _C
 
-from . import _workers
-from .conftest import shm_entries
+import _workers
+from conftest import shm_entries
 
 
 @pytest.fixture

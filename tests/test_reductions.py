@@ -12,7 +12,7 @@ import torch
 
 import torch_mp_ext as mp
 
-from . import _workers
+import _workers
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
@@ -109,7 +109,7 @@ def test_resizing_a_shared_storage_raises_instead_of_crashing(strategy):
 
 @pytest.mark.no_leak_check  # torch's file_system manager keeps a socket for the session
 def test_storages_shared_by_torch_keep_torchs_handles(strategy):
-    from .conftest import shm_entries
+    from conftest import shm_entries
 
     before = shm_entries()
     t = torch.arange(10.0).share_memory_()

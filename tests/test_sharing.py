@@ -8,7 +8,7 @@ import torch.multiprocessing as torch_mp
 import torch_mp_ext as mp
 from torch_mp_ext.errors import InvalidSharingStrategyError
 
-from . import _workers
+import _workers
 
 
 @pytest.fixture(autouse=True)
