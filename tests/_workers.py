@@ -110,3 +110,15 @@ def drop_block_handle(handle, q):
     block = _C.attach(handle)
     q.put(block.refcount)
     del block
+
+
+def allocate_and_send_handle(q, named, then):
+    """Allocates a block, sends a handle to it, then exits ('exit') or dies ('sigkill')."""
+    from torch_mp_ext import _C
+
+    block = _C.allocate(1000, named)
+    memoryview(block)[:4] = b"tmx!"
+    q.put(block.share())
+    if then == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    q.put("bye")
