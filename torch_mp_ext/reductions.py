@@ -57,6 +57,7 @@ __all__ = [
     "fd_id",
     "init_reductions",
     "rebuild_array",
+    "rebuild_cpu_tensor",
     "rebuild_cuda_tensor",
     "rebuild_event",
     "rebuild_meta_tensor",
@@ -110,17 +111,38 @@ def rebuild_storage_empty(cls: Any) -> Any:
     return cls()
 
 
-def rebuild_storage(cls: Any, handle: tuple, offset: int, nbytes: int) -> torch.UntypedStorage:
-    """Rebuilds a storage from a block handle (zero-copy), taking over its reference."""
+def _storage_from_handle(handle: tuple, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """The storage on a block handle: the cached one (giving the handle's reference back)
+    or a new zero-copy view adopting it (Note [Identity of rebuilt storages])."""
     key = _cache_key(handle, offset, nbytes)
-    storage = storage_from_cache(cls, key)
+    storage = storage_from_cache(torch.UntypedStorage, key)
     if storage is not None:
         _C.release_handle(handle)  # the cached storage already holds a reference
         return storage
-    block = _C.attach(handle)
-    storage = _memory.storage_from_block(block, offset, nbytes)
+    storage = _memory.storage_from_block(_C.attach(handle), offset, nbytes)
     shared_cache[key] = StorageWeakRef(storage)
     return storage
+
+
+def _share(storage: torch.UntypedStorage) -> tuple[tuple, int] | None:
+    """(handle, offset) for a non-empty CPU storage, moving it into the arena if needed; None
+    for storages torch put in shared memory itself (they keep torch's handles)."""
+    shared = _memory.share_storage(storage)
+    if shared is None:
+        if storage.is_shared():
+            return None
+        _memory.move_storage_(storage)
+        shared = _memory.share_storage(storage)  # None if torch < 2.2 moved it (torch's way)
+        if shared is None:
+            return None
+    handle, offset = shared
+    shared_cache[_cache_key(handle, offset, storage.nbytes())] = StorageWeakRef(storage)
+    return shared
+
+
+def rebuild_storage(cls: Any, handle: tuple, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """Rebuilds a storage from a block handle (zero-copy), taking over its reference."""
+    return _storage_from_handle(handle, offset, nbytes)
 
 
 def reduce_storage(storage: torch.UntypedStorage) -> tuple:
@@ -131,17 +153,10 @@ def reduce_storage(storage: torch.UntypedStorage) -> tuple:
     nbytes = storage.nbytes()
     if nbytes == 0:
         return (rebuild_storage_empty, (type(storage),))
-    shared = _memory.share_storage(storage)
+    shared = _share(storage)
     if shared is None:
-        if storage.is_shared():  # put there by torch: keep torch's handles
-            return _torch_reductions.reduce_storage(storage)
-        _memory.move_storage_(storage)
-        shared = _memory.share_storage(storage)
-        if shared is None:  # torch < 2.2 moved it with its own share_memory_()
-            return _torch_reductions.reduce_storage(storage)
-    handle, offset = shared
-    shared_cache[_cache_key(handle, offset, nbytes)] = StorageWeakRef(storage)
-    return (rebuild_storage, (type(storage), handle, offset, nbytes))
+        return _torch_reductions.reduce_storage(storage)
+    return (rebuild_storage, (type(storage), shared[0], shared[1], nbytes))
 
 
 # ---- tensors ------------------------------------------------------------------------------
@@ -158,8 +173,31 @@ def rebuild_tensor(cls: Any, storage: Any, metadata: tuple) -> torch.Tensor:
     return t
 
 
+def rebuild_cpu_tensor(
+    handle: tuple,
+    offset: int,
+    nbytes: int,
+    dtype: torch.dtype,
+    size: tuple,
+    stride: tuple,
+    storage_offset: int,
+    requires_grad: bool,
+    cls: type | None,
+) -> torch.Tensor:
+    """Rebuilds a CPU tensor viewing a block (zero-copy), taking over the handle's reference."""
+    storage = _storage_from_handle(handle, offset, nbytes)
+    t = torch.empty((0,), dtype=dtype).set_(storage, storage_offset, size, stride)
+    if cls is torch.nn.parameter.Parameter:
+        # requires_grad goes into the constructor: integer Parameters must get False there.
+        return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad = True
+    return t
+
+
 def reduce_tensor(tensor: torch.Tensor) -> tuple:
-    """Pickles a tensor: CPU storages through :func:`reduce_storage`, the rest as torch does."""
+    """Pickles a tensor: a CPU tensor as one block handle plus its layout; the rest as torch
+    does (CUDA IPC handles, meta, nested, sparse -- whose parts come back here)."""
     if tensor.requires_grad and not tensor.is_leaf:
         raise RuntimeError(
             "Cowardly refusing to serialize non-leaf tensor which requires_grad, "
@@ -168,13 +206,21 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple:
             "before serializing (e.g., putting it on the queue)."
         )
     if tensor.device.type != "cpu" or tensor.is_nested or tensor.layout != torch.strided:
-        # CUDA (IPC handles), meta, nested and sparse: torch's reducer, whose component
-        # tensors come back here through the pickler.
         return _torch_reductions.reduce_tensor(tensor)
     torch.utils.hooks.warn_if_has_hooks(tensor)
     # Gradients and hooks are not sent (Note [Don't serialize hooks] in torch).
-    metadata = (tensor.storage_offset(), tensor.size(), tensor.stride(), tensor.requires_grad)
-    return (rebuild_tensor, (type(tensor), tensor._typed_storage(), metadata))
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    shared = _share(storage) if nbytes else None
+    if shared is None:  # empty, or in torch's shared memory: torch's layout of the payload
+        metadata = (tensor.storage_offset(), tensor.size(), tensor.stride(), tensor.requires_grad)
+        return (rebuild_tensor, (type(tensor), tensor._typed_storage(), metadata))
+    cls = type(tensor)
+    return (
+        rebuild_cpu_tensor,
+        (shared[0], shared[1], nbytes, tensor.dtype, tuple(tensor.shape), tensor.stride(),
+         tensor.storage_offset(), tensor.requires_grad, None if cls is torch.Tensor else cls),
+    )
 
 
 # ---- numpy --------------------------------------------------------------------------------
