@@ -100,6 +100,36 @@ def test_sigkilled_sender_leaves_no_name_once_its_peers_exit():
         queue.join_thread()
 
 
+def keeper_pids() -> set[int]:
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if "(tmx-keeper)" in stat and stat[stat.rindex(")") + 2] != "Z":
+            pids.add(int(entry))
+    return pids
+
+
+@pytest.mark.parametrize("nbytes", [4096, 8 << 20])
+def test_a_worker_may_put_a_tensor_and_return_before_it_is_received(nbytes):
+    """torch's file_descriptor strategy fails here (the sender's resource_sharer is gone)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    before = keeper_pids()
+    p = ctx.Process(target=_workers.put_and_return, args=(q, nbytes))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    t = q.get(timeout=60)  # the worker is gone: its exit keeper hands out the segment
+    assert t.numel() == nbytes // 4 and t.eq(3).all()
+    assert wait_until(lambda: not (keeper_pids() - before), timeout=10)  # keeper left
+    q.close()
+    q.join_thread()
+
+
 def test_cleanup_reaps_names_of_dead_processes(file_system):
     """A segment named by nothing in flight, whose holders all died, is garbage."""
     script = textwrap.dedent(

@@ -75,6 +75,11 @@ std::string FdServer::address() {
   return address_;
 }
 
+int FdServer::listen_fd() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return listen_fd_.get();
+}
+
 void FdServer::atfork_child() {
   // mu_ was locked by atfork_prepare() in the thread that forked, which is this thread now.
   listen_fd_.reset();

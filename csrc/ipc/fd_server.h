@@ -28,6 +28,8 @@ class FdServer {
   static FdServer& instance();
   /// The server's address ("@" marks the abstract namespace), starting it on first use.
   std::string address();
+  /// The listening socket (-1 if the server never started), for the exit keeper.
+  int listen_fd();
   void atfork_prepare() { mu_.lock(); }
   void atfork_parent() { mu_.unlock(); }
   /// In a forked child: forget the parent's server (its thread did not survive the fork).

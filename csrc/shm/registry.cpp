@@ -5,9 +5,11 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cerrno>
 
 #include "common/check.h"
+#include "ipc/fd_keeper.h"
 #include "ipc/fd_server.h"
 #include "platform/process.h"
 #include "shm/arena.h"
@@ -302,18 +304,31 @@ void Registry::retire_locked(const std::shared_ptr<Mapping>& mapping) {
 }
 
 void Registry::release_all() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (released_) return;
-  released_ = true;
-  for (BlockRef* ref = refs_; ref != nullptr; ref = ref->next_) {
-    if (!ref->live_) continue;
-    decref_block(*ref->mapping_, ref->index_);
-    ref->live_ = false;
+  std::vector<KeptSegment> kept;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (released_) return;
+    released_ = true;
+    for (BlockRef* ref = refs_; ref != nullptr; ref = ref->next_) {
+      if (!ref->live_) continue;
+      decref_block(*ref->mapping_, ref->index_);
+      ref->live_ = false;
+    }
+    for (auto& [id, mapping] : by_id_) {
+      mapping->local_refs = 0;
+      if (mapping->named()) maybe_reap_on_unmap(*mapping);
+      if (mapping->owned && mapping->fd() >= 0) {
+        SegmentHeader* h = mapping->header();
+        kept.push_back({h->segment_id, h->secret, mapping->fd(), h});
+      }
+    }
   }
-  for (auto& [id, mapping] : by_id_) {
-    mapping->local_refs = 0;
-    if (mapping->named()) maybe_reap_on_unmap(*mapping);
-  }
+  double linger = 30.0;  // Note [Exit keeper]
+  if (const char* env = std::getenv("TORCH_MP_EXT_EXIT_LINGER_S")) linger = std::atof(env);
+  int listen_fd = FdServer::instance().listen_fd();
+  forking_keeper_ = true;  // the keeper must keep the fds our atfork child handler would close
+  start_exit_keeper(kept, listen_fd, linger);
+  forking_keeper_ = false;
 }
 
 RegistryStats Registry::stats() {
@@ -344,6 +359,12 @@ void Registry::atfork_parent() {
 }
 
 void Registry::atfork_child() {
+  if (forking_keeper_) {  // the keeper runs no Python and touches nothing but its fds
+    FdServer::instance().atfork_parent();
+    mu_.unlock();
+    Arena::instance().atfork_parent();
+    return;
+  }
   refresh_self_after_fork();
   FdServer::instance().atfork_child();
   uint64_t key = self_key();

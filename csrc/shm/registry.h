@@ -135,6 +135,7 @@ class Registry {
   BlockRef* refs_ = nullptr;                        // intrusive list of live BlockRefs
   size_t live_refs_ = 0;
   bool released_ = false;
+  bool forking_keeper_ = false;  // Note [Exit keeper]: set around its fork, in this thread
 };
 
 /// Decrements block `index` of `mapping` in shared memory and frees it at zero

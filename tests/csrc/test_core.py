@@ -82,20 +82,24 @@ def test_the_fd_server_refuses_a_wrong_secret():
 
 
 @pytest.mark.parametrize("named", [False, True], ids=["anonymous", "named"])
-def test_a_message_outliving_its_sender(named):
+@pytest.mark.parametrize("then", ["exit", "sigkill"])
+def test_a_message_outliving_its_sender(named, then):
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    p = ctx.Process(target=_workers.allocate_and_send_handle, args=(q, named, "exit"))
+    p = ctx.Process(target=_workers.allocate_and_send_handle, args=(q, named, then))
     p.start()
     handle = q.get()
-    assert q.get() == "bye"
+    if then == "exit":
+        assert q.get() == "bye"
     p.join(60)
-    assert p.exitcode == 0
-    if named:  # a name outlives its creator while a message names it
+    assert p.exitcode == (0 if then == "exit" else -signal.SIGKILL)
+    if named or then == "exit":
+        # A name outlives its creator while a message names it; an anonymous segment is
+        # served by the exit keeper of a sender that exited normally (Note [Exit keeper]).
         block = _C.attach(handle)
         assert bytes(memoryview(block)[:4]) == b"tmx!"
         del block
-    else:  # nobody can hand out the fd any more: said so, with the fix
+    else:  # nobody can hand out the fd of a SIGKILLed sender: said so, with the fix
         with pytest.raises(ConnectionRefusedError, match=rf"pid {p.pid}\) has exited"):
             _C.attach(handle)
     q.close()
