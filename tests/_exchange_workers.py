@@ -75,6 +75,17 @@ def publish_versions(ch, template, versions, out):
     out.put(("published", list(versions)))
 
 
+def try_publish(ch, template, version, out):
+    """Publishes once; reports None or the exception's type name and message."""
+    state = {k: torch.zeros_like(v) for k, v in template.items()}
+    try:
+        ch.publish(state, version, timeout=5)
+    except Exception as exc:  # reported to the test
+        out.put((type(exc).__name__, str(exc)))
+    else:
+        out.put(None)
+
+
 def publish_forever(ch, nbytes, first):
     """Publishes first, first + 1, ... until killed (each version its own value)."""
     state = big_state(nbytes)
@@ -235,3 +246,112 @@ def gloo_worker(rank, out):
         contexts.close()
         out.put(("collector", rank, loads))
     dist.destroy_process_group()
+
+
+# ---- crash scenarios (run in a fresh interpreter: a SIGKILLed process's references to the
+# ---- channel stay counted until its owner exits, see docs/sharing.md) ------------------------
+
+
+def _wait_for(predicate, timeout=30.0, interval=0.0005):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def _copy_time(ch, state, version):
+    start = time.monotonic()
+    ch.publish(state, version)
+    return time.monotonic() - start
+
+
+def scenario_writer_killed(nbytes: int = 192 << 20, attempts: int = 5) -> dict:
+    """SIGKILLs a writer in the middle of its copy; reports what readers see after."""
+    import signal
+
+    from torch_mp_ext import _C
+
+    ctx = mp.get_context("fork")
+    state = big_state(nbytes)
+    ch = mp.StateDictChannel(state, buffers=2)
+    fill_(state, 0)
+    copy_s = _copy_time(ch, state, 0)
+    report = {"copy_s": copy_s}
+    for attempt in range(1, attempts + 1):
+        first = ch.version + 1
+        p = ctx.Process(target=publish_forever, args=(ch, nbytes, first))
+        p.start()
+
+        def writing():
+            st = ch._debug_state()
+            return st["writer_pid"] == p.pid and any(s & _C.LATEST_WRITING for s in st["stamps"])
+
+        _wait_for(writing)
+        time.sleep(copy_s / 2)  # into the middle of the copy
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        st = ch._debug_state()
+        index = next((i for i, s in enumerate(st["stamps"]) if s & _C.LATEST_WRITING), None)
+        if index is None:
+            continue  # killed between two publishes: try again
+        latest = ch.version
+        being = (st["stamps"][index] & ~_C.LATEST_WRITING) - 1  # what the buffer held before
+        values = [uniform_value({"t": ch._view(index, e)}) for e in ch._entries]
+        written = sum(1 for v in values if v == latest + 1)
+        report.update(attempt=attempt, writer_pid_left=st["writer_pid"] == p.pid,
+                      latest=latest, written=written, ntensors=len(values), previous=being)
+        if 0 < written < len(values):
+            break
+    version, got = ch.read(timeout=10)
+    report.update(read_version=version, read_value=uniform_value(got))
+    fill_(state, ch.version + 1)
+    report["takeover_version"] = ch.publish(state, timeout=10)
+    version, got = ch.read(timeout=10)
+    report.update(after_version=version, after_value=uniform_value(got))
+    return report
+
+
+def scenario_reader_killed(nbytes: int = 192 << 20) -> dict:
+    """SIGKILLs a reader in the middle of its copy; the writer and other readers go on."""
+    import signal
+
+    ctx = mp.get_context("fork")
+    state = big_state(nbytes)
+    ch = mp.StateDictChannel(state, buffers=2)
+    fill_(state, 0)
+    copy_s = _copy_time(ch, state, 0)
+    p = ctx.Process(target=read_forever, args=(ch, nbytes))
+    p.start()
+
+    def pinned():
+        return any(pid == p.pid and pin for pid, pin in ch._debug_state()["readers"])
+
+    _wait_for(pinned)
+    time.sleep(copy_s / 2)
+    still = pinned()
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    report = {"killed_while_pinned": still and pinned()}
+    times = []
+    for v in (1, 2, 3):  # with 2 buffers, v2 needs the buffer the dead reader pinned
+        fill_(state, v)
+        start = time.monotonic()
+        ch.publish(state, v, timeout=10)
+        times.append(time.monotonic() - start)
+    report["publish_s"] = times
+    report["dead_reader_left"] = any(pid == p.pid for pid, _ in ch._debug_state()["readers"])
+    out = ctx.Queue()
+    peer = ctx.Process(target=read_once, args=(ch, out, -1, 10))
+    peer.start()
+    report["peer"] = out.get(timeout=30)[:2]
+    peer.join(30)
+    return report
+
+
+def run_scenario(name: str) -> None:
+    """Entry point of ``python -c``: prints the scenario's report as JSON."""
+    import json
+
+    print(json.dumps(globals()[f"scenario_{name}"]()), flush=True)

@@ -24,6 +24,7 @@ group is destroyed.
 
 from __future__ import annotations
 
+import pickle
 import queue
 import threading
 import time
@@ -56,6 +57,16 @@ def _check_initialized(backend: str, is_learner: bool, learner_rank: int) -> int
             f"rank {rank} is {'the learner' if is_learner else 'a receiver'} but "
             f"learner_rank={learner_rank}: exactly the learner's rank sends")
     return rank
+
+
+def _recv_object_from_any(group: Any) -> Any:
+    """One object sent by ``send_up`` from any rank (``recv_object_list`` of torch 2.13 needs
+    the source rank)."""
+    size = torch.empty(1, dtype=torch.int64)
+    src = dist.recv(size, src=None, group=group)
+    data = torch.empty(int(size[0]), dtype=torch.uint8)
+    dist.recv(data, src=src, group=group)
+    return pickle.loads(data.numpy().tobytes())
 
 
 class _Latest:
@@ -250,12 +261,11 @@ class DistContextChannel:
         byes = 0
         try:
             while byes < self._peers:
-                box: list = [None]
-                dist.recv_object_list(box, src=None, group=self._up)
-                if box[0] == _BYE:
+                item = _recv_object_from_any(self._up)
+                if isinstance(item, str) and item == _BYE:
                     byes += 1
                 else:
-                    self._inbox.put(box[0])
+                    self._inbox.put(item)
         except BaseException as exc:
             self._inbox.put(exc)
 
@@ -265,7 +275,7 @@ class DistContextChannel:
                 box: list = [None]
                 dist.broadcast_object_list(box, src=self._src, group=self._down)
                 version, payload = box[0]
-                if payload == _BYE:
+                if isinstance(payload, str) and payload == _BYE:
                     self._latest.end()
                     return
                 with self._latest.cond:
@@ -275,7 +285,9 @@ class DistContextChannel:
             self._latest.end(exc)
 
     def send_up(self, payload: Mapping) -> None:
-        dist.send_object_list([payload], dst=self._src, group=self._up)
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=self._src, group=self._up)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=self._src, group=self._up)
 
     def receive_up(self, timeout: Optional[float]) -> list:
         """Blocks for one payload (up to ``timeout``), then takes every one already there."""
