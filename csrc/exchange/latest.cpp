@@ -1,6 +1,7 @@
 // The versioned latest-value channel (Note [Latest-value channel] in latest.h).
 #include "exchange/latest.h"
 
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef __linux__
@@ -45,6 +46,22 @@ void pause_for(int attempt) {
   ::nanosleep(&ts, nullptr);
 }
 
+/// Maps every page of [begin, begin + n) into this process now (Note [Prefaulted buffers]).
+void prefault(char* begin, uint64_t n) {
+#ifdef MADV_POPULATE_WRITE
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  uintptr_t lo = (reinterpret_cast<uintptr_t>(begin) + page - 1) & ~(page - 1);
+  uintptr_t hi = (reinterpret_cast<uintptr_t>(begin) + n) & ~(page - 1);
+  if (hi > lo) {
+    // Best effort: kernels before 5.14 answer EINVAL, and the pages fault in on first use.
+    (void)::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE);
+  }
+#else
+  (void)begin;
+  (void)n;
+#endif
+}
+
 }  // namespace
 
 bool holder_dead(uint64_t key, uint64_t pidns) {
@@ -78,6 +95,7 @@ LatestChannel::LatestChannel(char* base, uint64_t capacity, uint32_t nbuffers,
     header_->total_bytes = need;
     std::atomic_thread_fence(std::memory_order_release);
     header_->magic = LATEST_MAGIC;
+    prefault(base + header_->data_offset, need - header_->data_offset);
     return;
   }
   if (capacity < sizeof(LatestHeader) || header_->magic != LATEST_MAGIC) {
@@ -95,6 +113,7 @@ LatestChannel::LatestChannel(char* base, uint64_t capacity, uint32_t nbuffers,
         "latest-value channel holds ", header_->nbuffers, " buffers of ", header_->buffer_bytes,
         " bytes, its handle said ", nbuffers, " of ", buffer_bytes));
   }
+  prefault(base + header_->data_offset, header_->total_bytes - header_->data_offset);
 }
 
 uint64_t LatestChannel::buffer_offset(uint32_t index) const {
