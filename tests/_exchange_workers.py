@@ -60,7 +60,7 @@ def read_once(ch, out, newer_than, timeout):
     start = time.monotonic()
     try:
         version, state = ch.read(newer_than, timeout=timeout)
-    except Exception as exc:  # reported to the test
+    except Exception as exc:  # noqa: BLE001  (reported to the test)
         out.put((type(exc).__name__, time.monotonic() - start))
         return
     out.put((version, uniform_value(state), time.monotonic() - start))
@@ -80,7 +80,7 @@ def try_publish(ch, template, version, out):
     state = {k: torch.zeros_like(v) for k, v in template.items()}
     try:
         ch.publish(state, version, timeout=5)
-    except Exception as exc:  # reported to the test
+    except Exception as exc:  # noqa: BLE001  (reported to the test)
         out.put((type(exc).__name__, str(exc)))
     else:
         out.put(None)
@@ -157,7 +157,7 @@ def collector(index, model_ch, ctx_ch, out):
         ctx = Context(total_step=step, env_step=step * 10, env_episode=step)
         seen = models.version
 
-        def collect(ctx):
+        def collect(ctx, step=step):
             with torch.no_grad():
                 model.eval()
                 model(torch.randn(4, 64))
@@ -284,7 +284,7 @@ def scenario_writer_killed(nbytes: int = 192 << 20, attempts: int = 5) -> dict:
         p = ctx.Process(target=publish_forever, args=(ch, nbytes, first))
         p.start()
 
-        def writing():
+        def writing(p=p):
             st = ch._debug_state()
             return st["writer_pid"] == p.pid and any(s & _C.LATEST_WRITING for s in st["stamps"])
 

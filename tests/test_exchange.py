@@ -7,10 +7,10 @@ import logging
 import os
 import time
 
+import _exchange_workers as w
 import pytest
 import torch
 
-import _exchange_workers as w
 import torch_mp_ext as mp
 from torch_mp_ext.exchange import Context, run_step
 
@@ -76,7 +76,7 @@ def test_model_exchanger_middleware_skips_the_first_iteration():
 
 
 def test_periodical_sender_publishes_every_period_iterations():
-    src, dst, sender, receiver = periodical(period=3)
+    src, _dst, sender, receiver = periodical(period=3)
     sent = [send_filled(sender, src) for _ in range(7)]
     assert sent == [0, None, None, 3, None, None, 6]
     assert receiver._channel.version == 6
@@ -208,7 +208,7 @@ def test_learner_and_two_collectors_train_and_exchange():
     procs = [ctx.Process(target=w.learner, args=(model_ch, ctx_ch, out, expected))]
     procs += [ctx.Process(target=w.collector, args=(i, model_ch, ctx_ch, out)) for i in range(2)]
     results = run_children(ctx, procs, out)
-    (_, published, merged, env_step, env_episode, train_iter), = [r for r in results
+    (_, published, merged, env_step, env_episode, _train_iter), = [r for r in results
                                                                   if r[0] == "learner"]
     assert published == list(range(len(published)))
     assert merged == sorted((i, s, k) for i in range(2) for s in range(w.STEPS) for k in range(3))

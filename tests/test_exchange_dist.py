@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import _exchange_workers as w
 import pytest
 import torch.distributed as dist
-
-import _exchange_workers as w
-import torch_mp_ext as mp
 from test_spawn import get, join_within
+
+import torch_mp_ext as mp
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")

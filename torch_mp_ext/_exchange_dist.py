@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .channel import _layout, _state_of, match_state
 from .errors import ChannelClosedError, PeerDiedError
 
-__all__ = ["DistModelChannel", "DistContextChannel"]
+__all__ = ["DistContextChannel", "DistModelChannel"]
 
 _HEADER = 64  # bytes before the tensors: int64 version, int64 flags
 _CLOSED = 1
@@ -77,9 +77,9 @@ class _Latest:
         self.version = -1
         self.arrived = 0.0
         self.closed = False
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
 
-    def wait_for(self, newer_than: int, multiple_of: int, timeout: Optional[float], what: str) -> None:
+    def wait_for(self, newer_than: int, multiple_of: int, timeout: float | None, what: str) -> None:
         """Call with ``cond`` held; returns when a matching version is there."""
         def ready() -> bool:
             return self.matches(newer_than, multiple_of) or self.closed
@@ -99,7 +99,7 @@ class _Latest:
         self.version, self.arrived = version, time.monotonic()
         self.cond.notify_all()
 
-    def end(self, error: Optional[BaseException] = None) -> None:
+    def end(self, error: BaseException | None = None) -> None:
         with self.cond:
             self.closed, self.error = True, error
             self.cond.notify_all()
@@ -158,7 +158,7 @@ class DistModelChannel:
     def closed(self) -> bool:
         return self._latest.closed
 
-    def publish(self, state: Any, version: Optional[int] = None) -> int:
+    def publish(self, state: Any, version: int | None = None) -> int:
         if not self._is_learner:
             raise RuntimeError(f"only the learner's rank publishes on {self.name}")
         if self._latest.closed:
@@ -206,23 +206,23 @@ class DistModelChannel:
                 with self._latest.cond:  # readers copy under the lock: never from `back`
                     self._front, back = back, self._front
                     self._latest.set(version)
-        except BaseException as exc:  # the learner died, the group was destroyed, ...
+        except BaseException as exc:  # noqa: BLE001  (the learner died, the group went, ...)
             self._latest.end(exc)
 
-    def peek(self, newer_than: int = -1, *, multiple_of: int = 1) -> Optional[tuple[int, float]]:
+    def peek(self, newer_than: int = -1, *, multiple_of: int = 1) -> tuple[int, float] | None:
         with self._latest.cond:
             if not self._latest.matches(newer_than, multiple_of):
                 return None
             return self._latest.version, time.monotonic() - self._latest.arrived
 
     def wait(self, newer_than: int = -1, *, multiple_of: int = 1,
-             timeout: Optional[float] = None) -> int:
+             timeout: float | None = None) -> int:
         with self._latest.cond:
             self._latest.wait_for(newer_than, multiple_of, timeout, self.name)
             return self._latest.version
 
     def read_into(self, target: Any, newer_than: int = -1, *, multiple_of: int = 1,
-                  timeout: Optional[float] = None) -> int:
+                  timeout: float | None = None) -> int:
         dests = match_state(self._entries, self._index, _state_of(target, "target"), "read_into",
                             self.name)
         with self._latest.cond:
@@ -266,7 +266,7 @@ class DistContextChannel:
                     byes += 1
                 else:
                     self._inbox.put(item)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  (handed to the waiting thread)
             self._inbox.put(exc)
 
     def _receive_down(self) -> None:
@@ -281,7 +281,7 @@ class DistContextChannel:
                 with self._latest.cond:
                     self._payload = payload
                     self._latest.set(version)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  (handed to the waiting thread)
             self._latest.end(exc)
 
     def send_up(self, payload: Mapping) -> None:
@@ -289,7 +289,7 @@ class DistContextChannel:
         dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=self._src, group=self._up)
         dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=self._src, group=self._up)
 
-    def receive_up(self, timeout: Optional[float]) -> list:
+    def receive_up(self, timeout: float | None) -> list:
         """Blocks for one payload (up to ``timeout``), then takes every one already there."""
         try:
             items = [self._inbox.get(timeout=timeout)]
@@ -309,7 +309,7 @@ class DistContextChannel:
         self._latest.version += 1
         dist.broadcast_object_list([(self._latest.version, payload)], src=self._src, group=self._down)
 
-    def receive_down(self, newer_than: int, timeout: Optional[float]) -> tuple[int, Any]:
+    def receive_down(self, newer_than: int, timeout: float | None) -> tuple[int, Any]:
         with self._latest.cond:
             self._latest.wait_for(newer_than, 1, timeout, self.name)
             return self._latest.version, self._payload

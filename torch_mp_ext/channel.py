@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
@@ -70,7 +70,7 @@ def _layout(template: Mapping) -> tuple[list[_Entry], int]:
     entries, offset = [], 0
     for key, value in template.items():
         if not isinstance(value, torch.Tensor):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004  (a mismatch with what a channel carries)
                 f"template[{key!r}] is a {type(value).__name__}, not a tensor: a "
                 "StateDictChannel carries tensors only (send other state another way)")
         if value.layout != torch.strided or value.is_nested:
@@ -96,7 +96,8 @@ def match_state(entries: list[_Entry], index: Mapping[str, _Entry], state: Mappi
     for e in entries:
         t = state[e.key]
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{verb}: state_dict[{e.key!r}] is a {type(t).__name__}, not a tensor")
+            raise ValueError(  # noqa: TRY004  (a mismatch with the template)
+                f"{verb}: state_dict[{e.key!r}] is a {type(t).__name__}, not a tensor")
         if t.dtype != e.dtype or tuple(t.shape) != e.shape:
             raise ValueError(
                 f"{verb}: state_dict[{e.key!r}] is {t.dtype} of shape {tuple(t.shape)}, but "
@@ -106,11 +107,11 @@ def match_state(entries: list[_Entry], index: Mapping[str, _Entry], state: Mappi
     return out
 
 
-def _deadline(timeout: Optional[float]) -> Optional[float]:
+def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + max(0.0, timeout)
 
 
-def _left(deadline: Optional[float]) -> Optional[float]:
+def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
@@ -134,7 +135,7 @@ class StateDictChannel:
         ValueError: a template entry is not a dense tensor, or ``buffers`` is out of range.
     """
 
-    def __init__(self, template: StateLike, *, buffers: int = 3, name: Optional[str] = None) -> None:
+    def __init__(self, template: StateLike, *, buffers: int = 3, name: str | None = None) -> None:
         entries, nbytes = _layout(_state_of(template, "template"))
         if isinstance(buffers, bool) or not isinstance(buffers, int) or not 2 <= buffers <= 16:
             raise ValueError(f"buffers must be an integer from 2 to 16, got {buffers!r}")
@@ -182,7 +183,7 @@ class StateDictChannel:
         """The state_dict keys, in the template's order."""
         return [e.key for e in self._entries]
 
-    def peek(self, newer_than: int = -1, *, multiple_of: int = 1) -> Optional[tuple[int, float]]:
+    def peek(self, newer_than: int = -1, *, multiple_of: int = 1) -> tuple[int, float] | None:
         """The newest complete version above ``newer_than`` (and a multiple of
         ``multiple_of``) and its age in seconds on this host's monotonic clock, or None."""
         found = self._channel.peek(newer_than, multiple_of)
@@ -192,7 +193,7 @@ class StateDictChannel:
         return version, max(0.0, (time.monotonic_ns() - published_ns) / 1e9)
 
     def wait(self, newer_than: int = -1, *, multiple_of: int = 1,
-             timeout: Optional[float] = None) -> int:
+             timeout: float | None = None) -> int:
         """Waits until a version above ``newer_than`` is complete and returns the newest.
 
         Args:
@@ -211,8 +212,8 @@ class StateDictChannel:
 
     # ---- writing -----------------------------------------------------------------------
 
-    def publish(self, state: StateLike, version: Optional[int] = None, *,
-                timeout: Optional[float] = None) -> int:
+    def publish(self, state: StateLike, version: int | None = None, *,
+                timeout: float | None = None) -> int:
         """Copies ``state`` into a back buffer and makes it the newest version.
 
         Nothing is pickled. CPU contiguous tensors are copied with one ``memcpy`` each,
@@ -272,7 +273,7 @@ class StateDictChannel:
     # ---- reading -----------------------------------------------------------------------
 
     def read_into(self, target: StateLike, newer_than: int = -1, *, multiple_of: int = 1,
-                  timeout: Optional[float] = None) -> int:
+                  timeout: float | None = None) -> int:
         """Copies the newest complete version into ``target`` (a model, in place).
 
         Waits until a version above ``newer_than`` exists. When the call returns, every
@@ -297,7 +298,7 @@ class StateDictChannel:
         return self._read(_state_of(target, "target"), newer_than, multiple_of, timeout)[0]
 
     def read(self, newer_than: int = -1, *, multiple_of: int = 1,
-             timeout: Optional[float] = None) -> tuple[int, dict[str, torch.Tensor]]:
+             timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """``(version, state_dict)``: the newest complete version, in fresh CPU tensors.
 
         Same arguments and errors as :meth:`read_into`.
@@ -307,7 +308,7 @@ class StateDictChannel:
         return version, out
 
     def _read(self, target: Mapping, newer_than: int, multiple_of: int,
-              timeout: Optional[float]) -> tuple[int, int]:
+              timeout: float | None) -> tuple[int, int]:
         dests = self._match(target, "read_into")
         spans, slow = [], []
         for entry, dst in zip(self._entries, dests):
@@ -348,11 +349,11 @@ class StateDictChannel:
                 if e.nbytes:
                     itemsize = torch.empty((), dtype=e.dtype).element_size()
                     views[e.key] = torch.empty(0, dtype=e.dtype).set_(
-                        storage, e.offset // itemsize, e.shape)
+                        storage, e.offset // itemsize, e.shape, _contiguous_strides(e.shape))
             self._views[index] = views
         return views[entry.key]
 
-    def _check(self, status: int, newer_than: int, timeout: Optional[float]) -> None:
+    def _check(self, status: int, newer_than: int, timeout: float | None) -> None:
         if status == _TIMEOUT:
             raise TimeoutError(
                 f"no version newer than {newer_than} was published on {self._label} within "
@@ -362,7 +363,7 @@ class StateDictChannel:
                 f"{self._label} is closed and holds no version newer than {newer_than} "
                 f"(latest: {self.version})")
 
-    def _check_write(self, status: int, version: int, busy: int, timeout: Optional[float]) -> None:
+    def _check_write(self, status: int, version: int, busy: int, timeout: float | None) -> None:
         if status == _STALE:
             raise ValueError(f"publish: version {version} is not newer than {self._label}'s "
                              f"latest version {self.version}; versions must increase")
@@ -380,6 +381,14 @@ class StateDictChannel:
 
     def _debug_state(self) -> dict:
         return self._channel.state()
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _bump_versions(tensors: list[torch.Tensor]) -> None:

@@ -29,7 +29,7 @@ import logging
 import pickle
 import queue
 from collections.abc import Generator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -75,7 +75,7 @@ class ContextChannel:
     def send_up(self, payload: dict) -> None:
         self._up.put(payload)
 
-    def receive_up(self, timeout: Optional[float]) -> list:
+    def receive_up(self, timeout: float | None) -> list:
         """Blocks for one payload (up to ``timeout``), then takes every one already there."""
         try:
             items = [self._up.get(timeout=timeout)]
@@ -97,7 +97,7 @@ class ContextChannel:
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self._down.publish({"nbytes": torch.tensor([len(data)]), "payload": buf})
 
-    def receive_down(self, newer_than: int, timeout: Optional[float]) -> tuple[int, Any]:
+    def receive_down(self, newer_than: int, timeout: float | None) -> tuple[int, Any]:
         version, state = self._down.read(newer_than, timeout=timeout)
         nbytes = int(state["nbytes"][0])
         return version, pickle.loads(state["payload"][:nbytes].numpy().tobytes())
@@ -128,8 +128,8 @@ class ContextExchanger:
     """
 
     def __init__(self, skip_n_iter: int = 1, storage_loader: Any = None, *, role: str,
-                 channel: Optional[ContextChannel] = None, backend: str = "shm",
-                 learner_rank: int = 0, timeout: Optional[float] = _DEFAULT) -> None:
+                 channel: ContextChannel | None = None, backend: str = "shm",
+                 learner_rank: int = 0, timeout: float | None = _DEFAULT) -> None:
         _check_loader(storage_loader, "storage_loader")
         self._role = _check_role(role, ("learner", "collector"), "role")
         self._is_learner = role == "learner"
@@ -141,7 +141,7 @@ class ContextExchanger:
         self._skip_n_iter = skip_n_iter
         if timeout is _DEFAULT:
             timeout = None if self._is_learner else DEFAULT_TIMEOUT
-        self.timeout: Optional[float] = timeout
+        self.timeout: float | None = timeout
         self._seen = -1  # collectors: version of the learner's newest payload merged
         if backend == "shm":
             if channel is None:
@@ -163,7 +163,7 @@ class ContextExchanger:
 
     # ---- plain calls ---------------------------------------------------------------------
 
-    def receive(self, ctx: Any, timeout: Optional[float] = _DEFAULT) -> bool:
+    def receive(self, ctx: Any, timeout: float | None = _DEFAULT) -> bool:
         """Merges what the other side sent into ``ctx`` (the seed's ``merge``).
 
         The learner waits for at least one collector payload; a collector waits for a new
@@ -228,7 +228,7 @@ class ContextExchanger:
         yield
         self.send(ctx)
 
-    def _warn(self, timeout: Optional[float]) -> None:
+    def _warn(self, timeout: float | None) -> None:
         logger.warning("Timeout when waiting for new context! Process %s got nothing from the "
                        "%s within %s s", process_label(self._role),
                        "collectors" if self._is_learner else "learner", timeout)
@@ -264,26 +264,26 @@ class ContextExchanger:
     def _put_trajectories(self, traj: list) -> None:
         self._extend("trajectories", traj)
 
-    def _fetch_trajectories(self, traj: list) -> Optional[list]:
+    def _fetch_trajectories(self, traj: list) -> list | None:
         return None if self._is_learner else traj
 
     def _put_episodes(self, episodes: list) -> None:
         self._extend("episodes", episodes)
 
-    def _fetch_episodes(self, episodes: list) -> Optional[list]:
+    def _fetch_episodes(self, episodes: list) -> list | None:
         return None if self._is_learner else episodes
 
     def _put_trajectory_end_idx(self, trajectory_end_idx: list) -> None:
         self._extend("trajectory_end_idx", trajectory_end_idx)
 
-    def _fetch_trajectory_end_idx(self, trajectory_end_idx: list) -> Optional[list]:
+    def _fetch_trajectory_end_idx(self, trajectory_end_idx: list) -> list | None:
         return None if self._is_learner else trajectory_end_idx
 
     def _increment(self, key: str, value: int) -> None:
         if self._is_learner:
             self._state[f"increment_{key}"] = self._state.get(f"increment_{key}", 0) + value
 
-    def _fetch_increment(self, key: str, value: int) -> Optional[int]:
+    def _fetch_increment(self, key: str, value: int) -> int | None:
         if self._is_learner:
             return None
         increment = value - self._local_state[key]
@@ -293,18 +293,18 @@ class ContextExchanger:
     def _put_env_step(self, increment_env_step: int) -> None:
         self._increment("env_step", increment_env_step)
 
-    def _fetch_env_step(self, env_step: int) -> Optional[int]:
+    def _fetch_env_step(self, env_step: int) -> int | None:
         return self._fetch_increment("env_step", env_step)
 
     def _put_env_episode(self, increment_env_episode: int) -> None:
         self._increment("env_episode", increment_env_episode)
 
-    def _fetch_env_episode(self, env_episode: int) -> Optional[int]:
+    def _fetch_env_episode(self, env_episode: int) -> int | None:
         return self._fetch_increment("env_episode", env_episode)
 
     def _put_train_iter(self, train_iter: int) -> None:
         if not self._is_learner:
             self._state["train_iter"] = train_iter
 
-    def _fetch_train_iter(self, train_iter: int) -> Optional[int]:
+    def _fetch_train_iter(self, train_iter: int) -> int | None:
         return train_iter if self._is_learner else None

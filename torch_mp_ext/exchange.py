@@ -38,7 +38,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Generator, Iterable
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -66,9 +66,9 @@ class Context:
     env_step: int = 0
     env_episode: int = 0
     train_iter: int = 0
-    trajectories: Optional[list] = None
-    episodes: Optional[list] = None
-    trajectory_end_idx: Optional[list] = None
+    trajectories: list | None = None
+    episodes: list | None = None
+    trajectory_end_idx: list | None = None
 
 
 def run_step(ctx: Any, *middleware: Callable[[Any], Any]) -> None:
@@ -89,7 +89,8 @@ def run_step(ctx: Any, *middleware: Callable[[Any], Any]) -> None:
             pending.append(out)
     for gen in reversed(pending):
         for _ in gen:
-            raise RuntimeError(f"middleware {gen.__qualname__} yielded more than once per step")
+            raise RuntimeError(f"middleware {getattr(gen, '__qualname__', gen)} yielded more "
+                               "than once per step")
 
 
 def process_label(role: str) -> str:
@@ -110,7 +111,7 @@ def _check_loader(loader: Any, name: str) -> None:
             "the critical path, and torch_mp_ext's channels never pickle a tensor; pass None")
 
 
-def model_transport(model: torch.nn.Module, channel: Optional[StateDictChannel], backend: str,
+def model_transport(model: torch.nn.Module, channel: StateDictChannel | None, backend: str,
                     is_learner: bool, learner_rank: int) -> Any:
     """The channel the exchangers publish to and read from, picked by ``backend``."""
     if backend == "shm":
@@ -134,13 +135,13 @@ class _Receiver:
     _model: torch.nn.Module
     _channel: Any
     _role: str
-    timeout: Optional[float]
+    timeout: float | None
     _name: str
 
-    def _timeout(self, timeout: Any) -> Optional[float]:
+    def _timeout(self, timeout: Any) -> float | None:
         return self.timeout if timeout is _DEFAULT else timeout
 
-    def _warn_timeout(self, newer_than: int, timeout: Optional[float]) -> None:
+    def _warn_timeout(self, newer_than: int, timeout: float | None) -> None:
         logger.warning(
             "Timeout when waiting for new model! Process %s got no version newer than %d "
             "from %s within %s s (latest published: %d); going on with the current weights",
@@ -180,8 +181,8 @@ class ModelExchanger(_Receiver):
     """
 
     def __init__(self, model: torch.nn.Module, model_loader: Any = None, *, role: str,
-                 channel: Optional[StateDictChannel] = None, backend: str = "shm",
-                 learner_rank: int = 0, timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
+                 channel: StateDictChannel | None = None, backend: str = "shm",
+                 learner_rank: int = 0, timeout: float | None = DEFAULT_TIMEOUT) -> None:
         _check_loader(model_loader, "model_loader")
         self._model = model
         self._role = _check_role(role, ROLES, "role")
@@ -203,7 +204,7 @@ class ModelExchanger(_Receiver):
         self._version = self._channel.publish(self._model, max(self._version, self._channel.version) + 1)
         return self._version
 
-    def receive(self, timeout: Optional[float] = _DEFAULT) -> Optional[int]:
+    def receive(self, timeout: float | None = _DEFAULT) -> int | None:
         """Others: waits for a version newer than the loaded one and loads the newest.
 
         Args:
@@ -265,8 +266,8 @@ class PeriodicalModelExchanger(_Receiver):
     def __init__(self, model: torch.nn.Module, mode: str, period: int = 1,
                  delay_toleration: float = math.inf, stale_toleration: int = 1,
                  event_name: str = "model_exchanger", model_loader: Any = None, *,
-                 channel: Optional[StateDictChannel] = None, backend: str = "shm",
-                 learner_rank: int = 0, timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
+                 channel: StateDictChannel | None = None, backend: str = "shm",
+                 learner_rank: int = 0, timeout: float | None = DEFAULT_TIMEOUT) -> None:
         _check_loader(model_loader, "model_loader")
         self._mode = _check_role(mode, ("send", "receive"), "mode")
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
@@ -297,7 +298,7 @@ class PeriodicalModelExchanger(_Receiver):
         """Iterations since the last load, counting the one of the load as 1 (receivers)."""
         return self._model_stale
 
-    def send(self) -> Optional[int]:
+    def send(self) -> int | None:
         """Sender: ends one iteration; publishes it if it is a multiple of ``period``.
 
         Returns:
@@ -311,7 +312,7 @@ class PeriodicalModelExchanger(_Receiver):
         self._id_counter += 1
         return sent
 
-    def receive(self, timeout: Optional[float] = _DEFAULT) -> Optional[int]:
+    def receive(self, timeout: float | None = _DEFAULT) -> int | None:
         """Receiver: loads a fresh version, reuses the current weights, or waits (above).
 
         Returns:
