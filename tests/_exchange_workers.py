@@ -355,3 +355,34 @@ def run_scenario(name: str) -> None:
     import json
 
     print(json.dumps(globals()[f"scenario_{name}"]()), flush=True)
+
+
+def gloo_periodical_worker(rank, out):
+    """PeriodicalModelExchanger over gloo: rank 0 sends every 2nd iteration."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    model = Net()
+    mode = "send" if rank == 0 else "receive"
+    models = PeriodicalModelExchanger(model, mode, period=2, stale_toleration=2,
+                                      backend="gloo", timeout=30)
+    if rank == 0:
+        for i in range(20):
+            fill_(model, i)
+            models.send()
+            time.sleep(0.02)
+        models.close()
+        out.put(("sender", rank, None))
+    else:
+        fill_(model, -1.0)
+        steps, step = [], 0
+        while not models.finished:
+            before = models.model_id
+            run_step(Context(total_step=step), models)
+            loaded = models.model_id if models.model_id != before else None
+            steps.append((loaded, models.model_stale, uniform_value(model)))
+            step += 1
+            time.sleep(0.015)
+        models.close()
+        out.put(("receiver", rank, steps))
+    dist.destroy_process_group()

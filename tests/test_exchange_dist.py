@@ -28,3 +28,20 @@ def test_learner_and_two_collectors_over_gloo():
         assert len(loads) == w.STEPS - 1 and None not in versions
         assert versions == sorted(set(versions)) and set(versions) <= set(published)
         assert all(value == v for v, value in loads), loads  # exactly one broadcast version
+
+
+def test_periodical_exchange_over_gloo():
+    q = mp.get_context("forkserver").SimpleQueue()
+    join_within(mp.launch(w.gloo_periodical_worker, args=(q,), nprocs=3, join=False))
+    results = sorted(get(q) for _ in range(3))
+    receivers = [steps for kind, _, steps in results if kind == "receiver"]
+    assert len(receivers) == 2
+    for steps in receivers:
+        loads = [loaded for loaded, _, _ in steps if loaded is not None]
+        assert len(loads) > 3 and loads == sorted(set(loads))
+        assert all(v % 2 == 0 for v in loads)  # the sender's period
+        current = -1
+        for loaded, stale, value in steps:
+            current = loaded if loaded is not None else current
+            assert stale == 1 if loaded is not None else stale <= 2
+            assert current < 0 or value == current

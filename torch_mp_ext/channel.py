@@ -397,7 +397,8 @@ def _bump_versions(tensors: list[torch.Tensor]) -> None:
     bump = getattr(torch.autograd.graph, "increment_version", None)
     if bump is not None:
         for t in tensors:
-            bump(t)
+            if not t.is_inference():  # inference tensors have no version counter
+                bump(t)
 
 
 def _rebuild(handle: tuple, nbuffers: int, buffer_bytes: int, entries: list[_Entry],

@@ -331,8 +331,11 @@ class PeriodicalModelExchanger(_Receiver):
                 self._time = time.monotonic() - age
                 self._id_counter = version
                 if age < self._delay_toleration:
-                    self._model_id = self._channel.read_into(
-                        self._model, self._model_id, multiple_of=self._period, timeout=0)
+                    try:
+                        self._model_id = self._channel.read_into(
+                            self._model, self._model_id, multiple_of=self._period, timeout=0)
+                    except TimeoutError:
+                        continue  # overwritten since the peek by versions of other periods
                     self._model_stale = 1
                     return self._model_id
                 newer_than = version  # too old to load: wait for a fresher one
