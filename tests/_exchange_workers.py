@@ -215,7 +215,7 @@ def gloo_worker(rank, out):
     torch.manual_seed(rank)
     model = Net()
     role = "learner" if rank == 0 else "collector"
-    models = ModelExchanger(model, role=role, backend="gloo", timeout=30)
+    models = ModelExchanger(model, role=role, backend="distributed", timeout=30)  # gloo: CPU
     contexts = ContextExchanger(role=role, backend="gloo", timeout=30)
     if rank == 0:
         ctx, merged, published = Context(), [], []

@@ -146,6 +146,8 @@ def test_bad_arguments_are_value_errors():
         mp.ContextExchanger(1, object(), role="learner", channel=None)
     with pytest.raises(RuntimeError, match="not initialised"):
         mp.ModelExchanger(model, role="learner", backend="gloo")
+    with pytest.raises(ValueError, match="backend must be"):
+        mp.ModelExchanger(model, role="learner", backend="mpi")
     other = mp.StateDictChannel({"x": torch.zeros(2)})
     with pytest.raises(ValueError, match="missing keys"):
         mp.ModelExchanger(model, role="learner", channel=other).send()

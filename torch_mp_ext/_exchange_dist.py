@@ -119,6 +119,9 @@ class DistModelChannel:
         self._index = {e.key: e for e in self._entries}
         first = next(iter(state.values()), None)
         self._device = first.device if first is not None else torch.device("cpu")
+        if backend == "nccl" and self._device.type != "cuda":
+            raise ValueError(f"backend='nccl' broadcasts CUDA tensors, but the model is on "
+                             f"{self._device}: move it to its GPU first, or use 'gloo'")
         schema = [[(e.key, str(e.dtype), e.shape) for e in self._entries]]
         dist.broadcast_object_list(schema, src=learner_rank, group=self._group, device=self._device)
         if not is_learner:

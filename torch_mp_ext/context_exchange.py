@@ -117,8 +117,9 @@ class ContextExchanger:
             through shared memory already).
         role: ``"learner"`` or ``"collector"``.
         channel: the :class:`ContextChannel` shared by all (``backend="shm"``).
-        backend: ``"shm"``, or ``"gloo"``/``"nccl"`` for ``torch.distributed`` (contexts
-            always travel on gloo groups: they are Python objects).
+        backend: ``"shm"``, or ``"distributed"``/``"gloo"``/``"nccl"`` for
+            ``torch.distributed`` (contexts always travel on gloo groups: they are Python
+            objects).
         learner_rank: the learner's rank (distributed backends).
         timeout: seconds to wait for the other side; default: forever for the learner,
             60 s for collectors (the seed's).
@@ -149,6 +150,9 @@ class ContextExchanger:
                                  "parent and pass it to the learner and every collector")
             self._channel: Any = channel
         else:
+            if backend not in ("distributed", "gloo", "nccl"):
+                raise ValueError("backend must be 'shm', 'distributed', 'gloo' or 'nccl', got "
+                                 f"{backend!r}")
             if channel is not None:
                 raise ValueError(f"channel= is for backend='shm', not {backend!r}")
             from ._exchange_dist import DistContextChannel

@@ -123,6 +123,11 @@ def model_transport(model: torch.nn.Module, channel: StateDictChannel | None, ba
     if channel is not None:
         raise ValueError(f"channel= is for backend='shm'; backend={backend!r} broadcasts over "
                          "torch.distributed instead")
+    if backend == "distributed":  # NCCL for a model on a GPU, gloo for one on the CPU
+        cuda = any(t.is_cuda for t in model.state_dict().values())
+        backend = "nccl" if cuda else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'shm', 'distributed', 'gloo' or 'nccl', got {backend!r}")
     from ._exchange_dist import DistModelChannel
 
     return DistModelChannel(model, backend=backend, is_learner=is_learner,
@@ -168,9 +173,10 @@ class ModelExchanger(_Receiver):
         model_loader: DI-engine's ``ModelLoader``; must be None (nothing is pickled here).
         role: ``"learner"`` sends; ``"collector"`` and ``"evaluator"`` receive.
         channel: the :class:`StateDictChannel` shared by all (``backend="shm"``).
-        backend: ``"shm"`` (one host, shared memory), or a ``torch.distributed`` backend
-            (``"gloo"``, ``"nccl"``): the learner's rank broadcasts each version to every
-            rank of the default process group; all ranks make their exchangers in one order.
+        backend: ``"shm"`` (one host, shared memory), or ``torch.distributed``:
+            ``"distributed"`` (NCCL for a model on a GPU, gloo otherwise), ``"gloo"`` or
+            ``"nccl"``; the learner's rank broadcasts each version to every rank of the
+            default process group, and all ranks make their exchangers in one order.
         learner_rank: the learner's rank (distributed backends).
         timeout: seconds a receiver waits for a newer model (``None``: forever) before the
             seed's warning.
