@@ -32,6 +32,9 @@ from .arena import (
     zeros,
     zeros_array,
 )
+from .channel import StateDictChannel
+from .context_exchange import ContextChannel, ContextExchanger
+from .exchange import ModelExchanger, PeriodicalModelExchanger
 from .reductions import init_reductions
 from .sharing import (
     _all_sharing_strategies,

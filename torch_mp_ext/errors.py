@@ -26,6 +26,7 @@ __all__ = [
     "CorruptSegmentError",
     "PeerDiedError",
     "InvalidSharingStrategyError",
+    "ChannelClosedError",
     "ProcessException",
     "ProcessRaisedException",
     "ProcessExitedException",
@@ -59,6 +60,11 @@ class PeerDiedError(TorchMPExtError, RuntimeError):
 
 class InvalidSharingStrategyError(TorchMPExtError, ValueError, AssertionError):
     """An unknown sharing strategy name (torch 2.13 raises AssertionError for it)."""
+
+
+class ChannelClosedError(TorchMPExtError, EOFError):
+    """A :class:`~torch_mp_ext.StateDictChannel` (or an exchanger on it) was closed: no
+    newer version will come, or no version may be published any more."""
 
 
 _OSERROR_AS_SHARED_MEMORY = {_errno.ENOSPC, _errno.ENOMEM, _errno.EMFILE, _errno.ENFILE}

@@ -17,4 +17,5 @@ PYBIND11_MODULE(_C, m) {
   torch_mp_ext::python::init_platform(m);
   torch_mp_ext::python::init_shm(m);
   torch_mp_ext::python::init_ipc(m);
+  torch_mp_ext::python::init_exchange(m);
 }

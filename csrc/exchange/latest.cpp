@@ -1,0 +1,394 @@
+// The versioned latest-value channel (Note [Latest-value channel] in latest.h).
+#include "exchange/latest.h"
+
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <new>
+
+#include "common/check.h"
+#include "common/errors.h"
+#include "platform/process.h"
+
+namespace torch_mp_ext {
+
+namespace {
+
+constexpr uint64_t PAGE = 4096;  // buffer alignment: whole pages suit memcpy and huge pages
+
+uint64_t round_up(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
+
+uint64_t monotonic_ns() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+uint64_t self_pidns() {
+  static const uint64_t ns = pid_namespace_id();
+  return ns;
+}
+
+bool complete(uint64_t stamp) { return stamp != 0 && (stamp & STAMP_WRITING) == 0; }
+
+void pause_for(int attempt) {
+  // 20 us, 40 us, ... capped at 1 ms: a reader holds a pin for one memcpy of the state.
+  long ns = 20000L << std::min(attempt, 6);
+  timespec ts{0, std::min(ns, 1000000L)};
+  ::nanosleep(&ts, nullptr);
+}
+
+/// Maps every page of [begin, begin + n) into this process now (Note [Prefaulted buffers]).
+void prefault(char* begin, uint64_t n) {
+#ifdef MADV_POPULATE_WRITE
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  uintptr_t lo = (reinterpret_cast<uintptr_t>(begin) + page - 1) & ~(page - 1);
+  uintptr_t hi = (reinterpret_cast<uintptr_t>(begin) + n) & ~(page - 1);
+  if (hi > lo) {
+    // Best effort: kernels before 5.14 answer EINVAL, and the pages fault in on first use.
+    (void)::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE);
+  }
+#else
+  (void)begin;
+  (void)n;
+#endif
+}
+
+}  // namespace
+
+bool holder_dead(uint64_t key, uint64_t pidns) {
+  if (key == 0) return false;
+  if (pidns != 0 && self_pidns() != 0 && pidns != self_pidns()) return false;  // not ours to judge
+  auto pid = static_cast<pid_t>(key >> 32);
+  return !process_alive(pid, static_cast<uint32_t>(key & 0xffffffffu));
+}
+
+uint64_t LatestChannel::required_bytes(uint32_t nbuffers, uint64_t buffer_bytes) {
+  return round_up(sizeof(LatestHeader), PAGE) + nbuffers * round_up(buffer_bytes, PAGE);
+}
+
+LatestChannel::LatestChannel(char* base, uint64_t capacity, uint32_t nbuffers,
+                             uint64_t buffer_bytes, bool create)
+    : header_(reinterpret_cast<LatestHeader*>(base)), base_(base) {
+  TMX_CHECK_VALUE(nbuffers >= 2 && nbuffers <= LATEST_MAX_BUFFERS,
+                  "a latest-value channel needs 2 to ", LATEST_MAX_BUFFERS,
+                  " buffers, got ", nbuffers);
+  uint64_t need = required_bytes(nbuffers, buffer_bytes);
+  if (create) {
+    TMX_CHECK_VALUE(capacity >= need, "a channel of ", nbuffers, " buffers of ", buffer_bytes,
+                    " bytes needs ", need, " bytes of shared memory, the block has ", capacity);
+    // Pooled blocks come back dirty: every word of the header starts from zero.
+    std::memset(static_cast<void*>(base), 0, sizeof(LatestHeader));
+    header_->layout_version = LATEST_LAYOUT_VERSION;
+    header_->nbuffers = nbuffers;
+    header_->buffer_bytes = buffer_bytes;
+    header_->buffer_stride = round_up(buffer_bytes, PAGE);
+    header_->data_offset = round_up(sizeof(LatestHeader), PAGE);
+    header_->total_bytes = need;
+    std::atomic_thread_fence(std::memory_order_release);
+    header_->magic = LATEST_MAGIC;
+    prefault(base + header_->data_offset, need - header_->data_offset);
+    return;
+  }
+  if (capacity < sizeof(LatestHeader) || header_->magic != LATEST_MAGIC) {
+    throw CorruptSegmentError("shared memory handed over as a latest-value channel is not one "
+                              "(bad magic); was the handle pickled by another program?");
+  }
+  if (header_->layout_version != LATEST_LAYOUT_VERSION) {
+    throw CorruptSegmentError(detail::str_cat(
+        "latest-value channel of layout version ", header_->layout_version, ", this build reads ",
+        LATEST_LAYOUT_VERSION, ": every process of a job must use one torch_mp_ext build"));
+  }
+  if (header_->nbuffers != nbuffers || header_->buffer_bytes != buffer_bytes ||
+      header_->total_bytes > capacity) {
+    throw CorruptSegmentError(detail::str_cat(
+        "latest-value channel holds ", header_->nbuffers, " buffers of ", header_->buffer_bytes,
+        " bytes, its handle said ", nbuffers, " of ", buffer_bytes));
+  }
+  prefault(base + header_->data_offset, header_->total_bytes - header_->data_offset);
+}
+
+uint64_t LatestChannel::buffer_offset(uint32_t index) const {
+  TMX_CHECK_VALUE(index < header_->nbuffers, "buffer index ", index, " out of range [0, ",
+                  header_->nbuffers, ")");
+  return header_->data_offset + index * header_->buffer_stride;
+}
+
+int LatestChannel::select(int64_t newer_than, uint64_t multiple_of, uint64_t* stamp) const {
+  int best = -1;
+  uint64_t best_stamp = 0;
+  for (uint32_t i = 0; i < header_->nbuffers; ++i) {
+    uint64_t s = header_->buffers[i].stamp.load(std::memory_order_acquire);
+    if (!complete(s)) continue;
+    uint64_t version = s - 1;
+    if (newer_than >= 0 && version <= static_cast<uint64_t>(newer_than)) continue;
+    if (multiple_of > 1 && version % multiple_of != 0) continue;
+    if (s > best_stamp) {
+      best = static_cast<int>(i);
+      best_stamp = s;
+    }
+  }
+  *stamp = best_stamp;
+  return best;
+}
+
+// ---- writer --------------------------------------------------------------------------------
+
+bool LatestChannel::try_claim(uint32_t index, bool judge_pins) {
+  auto& stamp = header_->buffers[index].stamp;
+  uint64_t old = stamp.load(std::memory_order_seq_cst);
+  stamp.store(old | STAMP_WRITING, std::memory_order_seq_cst);
+  for (uint32_t s = 0; s < LATEST_READER_SLOTS; ++s) {
+    LatestReaderSlot& slot = header_->readers[s];
+    if (slot.pinned.load(std::memory_order_seq_cst) != index + 1) continue;
+    if (judge_pins) {
+      uint64_t key = slot.holder.load(std::memory_order_acquire);
+      if (holder_dead(key, slot.pidns.load(std::memory_order_relaxed)) &&
+          slot.holder.compare_exchange_strong(key, self_key())) {
+        // The slot is ours now (no reader can claim it meanwhile): unpin it and free it.
+        slot.pinned.store(0, std::memory_order_seq_cst);
+        slot.holder.store(0, std::memory_order_release);
+        continue;
+      }
+    }
+    stamp.store(old, std::memory_order_seq_cst);  // a live reader: leave it alone
+    return false;
+  }
+  return true;
+}
+
+LatestStatus LatestChannel::begin_write(uint64_t version, const Deadline& deadline,
+                                        uint32_t* index, uint64_t* busy_key) {
+  TMX_CHECK_VALUE(version <= LATEST_MAX_VERSION, "version ", version, " is above the maximum ",
+                  LATEST_MAX_VERSION);
+  if (closed()) return LatestStatus::Closed;
+  const uint64_t me = self_key();
+  for (;;) {  // the writer word: free, or held by a process that died mid-publish
+    uint64_t cur = 0;
+    if (header_->writer.compare_exchange_strong(cur, me)) break;
+    if (cur != me && holder_dead(cur, header_->writer_pidns.load()) &&
+        header_->writer.compare_exchange_strong(cur, me)) {
+      break;
+    }
+    if (cur == 0) continue;
+    *busy_key = cur;
+    return LatestStatus::WriterBusy;
+  }
+  header_->writer_pidns.store(self_pidns());
+  if (version + 1 <= header_->latest.load()) {
+    header_->writer.store(0);
+    return LatestStatus::Stale;
+  }
+  const uint32_t n = header_->nbuffers;
+  for (int attempt = 0;; ++attempt) {
+    // Candidates: every buffer but the newest complete one; empty or abandoned ones first,
+    // then the oldest versions (the ones readers are least likely to want).
+    uint64_t newest_stamp = 0;
+    int newest = select(-1, 1, &newest_stamp);
+    uint32_t order[LATEST_MAX_BUFFERS];
+    uint32_t count = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      if (static_cast<int>(i) != newest) order[count++] = i;
+    }
+    auto rank = [this](uint32_t i) {
+      uint64_t s = header_->buffers[i].stamp.load();
+      return complete(s) ? s : 0;
+    };
+    std::sort(order, order + count, [&](uint32_t a, uint32_t b) { return rank(a) < rank(b); });
+    for (uint32_t k = 0; k < count; ++k) {
+      if (try_claim(order[k], attempt > 0)) {
+        *index = order[k];
+        return LatestStatus::Ok;
+      }
+    }
+    if (deadline.expired()) {
+      header_->writer.store(0);
+      return LatestStatus::Timeout;
+    }
+    pause_for(attempt);
+  }
+}
+
+void LatestChannel::commit(uint32_t index, uint64_t version) {
+  TMX_CHECK(index < header_->nbuffers, "commit of buffer ", index);
+  LatestBufferState& b = header_->buffers[index];
+  TMX_CHECK(b.stamp.load() & STAMP_WRITING, "commit of buffer ", index, " not claimed");
+  b.published_ns.store(monotonic_ns(), std::memory_order_relaxed);
+  b.stamp.store(version + 1, std::memory_order_seq_cst);  // the flip
+  header_->latest.store(version + 1, std::memory_order_seq_cst);
+  header_->writer.store(0, std::memory_order_seq_cst);
+  wake();
+}
+
+void LatestChannel::abort(uint32_t index) {
+  if (index < header_->nbuffers) header_->buffers[index].stamp.store(0);
+  header_->writer.store(0);
+}
+
+void LatestChannel::copy_in(uint32_t index, const std::vector<CopySpan>& spans) {
+  TMX_CHECK_VALUE(index < header_->nbuffers &&
+                      (header_->buffers[index].stamp.load() & STAMP_WRITING) &&
+                      header_->writer.load() == self_key(),
+                  "copy_in: buffer ", index, " is not claimed by this process (begin_write)");
+  char* dst = base_ + buffer_offset(index);
+  for (const CopySpan& s : spans) {
+    TMX_CHECK_VALUE(s.offset + s.nbytes <= header_->buffer_bytes, "copy_in: span [", s.offset,
+                    ", +", s.nbytes, ") outside the ", header_->buffer_bytes, "-byte buffer");
+    std::memcpy(dst + s.offset, reinterpret_cast<const void*>(s.address), s.nbytes);
+  }
+}
+
+// ---- reader --------------------------------------------------------------------------------
+
+bool LatestChannel::claim_slot(uint32_t* slot) {
+  const uint64_t me = self_key();
+  for (int pass = 0; pass < 2; ++pass) {
+    for (uint32_t s = 0; s < LATEST_READER_SLOTS; ++s) {
+      LatestReaderSlot& r = header_->readers[s];
+      uint64_t cur = r.holder.load(std::memory_order_relaxed);
+      bool take = cur == 0 || (pass == 1 && cur != me && holder_dead(cur, r.pidns.load()));
+      if (take && r.holder.compare_exchange_strong(cur, me)) {
+        r.pidns.store(self_pidns());
+        r.pinned.store(0, std::memory_order_seq_cst);
+        *slot = s;
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+void LatestChannel::release_slot(uint32_t slot) {
+  header_->readers[slot].pinned.store(0, std::memory_order_seq_cst);
+  header_->readers[slot].holder.store(0, std::memory_order_release);
+}
+
+LatestStatus LatestChannel::begin_read(int64_t newer_than, uint64_t multiple_of,
+                                       const Deadline& deadline, ReadTicket* ticket) {
+  uint32_t slot = 0;
+  for (int attempt = 0; !claim_slot(&slot); ++attempt) {  // more readers than slots: queue up
+    if (deadline.expired()) return LatestStatus::Timeout;
+    pause_for(attempt);
+  }
+  LatestReaderSlot& r = header_->readers[slot];
+  for (;;) {
+    uint32_t seen = header_->seq.load(std::memory_order_acquire);
+    uint64_t stamp = 0;
+    int b = select(newer_than, multiple_of, &stamp);
+    if (b < 0) {
+      LatestStatus st = closed() ? LatestStatus::Closed : wait_seq(seen, deadline);
+      if (st != LatestStatus::Ok) {
+        release_slot(slot);
+        return st;
+      }
+      continue;
+    }
+    r.pinned.store(static_cast<uint32_t>(b) + 1, std::memory_order_seq_cst);
+    if (header_->buffers[b].stamp.load(std::memory_order_seq_cst) != stamp) {
+      r.pinned.store(0, std::memory_order_seq_cst);  // the writer got there first: pick again
+      continue;
+    }
+    ticket->index = static_cast<uint32_t>(b);
+    ticket->slot = slot;
+    ticket->version = stamp - 1;
+    ticket->published_ns = header_->buffers[b].published_ns.load(std::memory_order_relaxed);
+    return LatestStatus::Ok;
+  }
+}
+
+bool LatestChannel::end_read(const ReadTicket& t) {
+  TMX_CHECK(t.index < header_->nbuffers && t.slot < LATEST_READER_SLOTS, "bad read ticket");
+  std::atomic_thread_fence(std::memory_order_acquire);
+  bool intact =
+      header_->buffers[t.index].stamp.load(std::memory_order_relaxed) == t.version + 1;
+  release_slot(t.slot);
+  return intact;
+}
+
+void LatestChannel::copy_out(uint32_t index, const std::vector<CopySpan>& spans) const {
+  const char* src = base_ + buffer_offset(index);
+  for (const CopySpan& s : spans) {
+    TMX_CHECK_VALUE(s.offset + s.nbytes <= header_->buffer_bytes, "copy_out: span [", s.offset,
+                    ", +", s.nbytes, ") outside the ", header_->buffer_bytes, "-byte buffer");
+    std::memcpy(reinterpret_cast<void*>(s.address), src + s.offset, s.nbytes);
+  }
+}
+
+LatestStatus LatestChannel::wait(int64_t newer_than, uint64_t multiple_of,
+                                 const Deadline& deadline) {
+  for (;;) {
+    uint32_t seen = header_->seq.load(std::memory_order_acquire);
+    uint64_t stamp = 0;
+    if (select(newer_than, multiple_of, &stamp) >= 0) return LatestStatus::Ok;
+    if (closed()) return LatestStatus::Closed;
+    if (wait_seq(seen, deadline) == LatestStatus::Timeout) return LatestStatus::Timeout;
+  }
+}
+
+bool LatestChannel::peek(int64_t newer_than, uint64_t multiple_of, uint64_t* version,
+                         uint64_t* published_ns) const {
+  for (;;) {
+    uint64_t stamp = 0;
+    int b = select(newer_than, multiple_of, &stamp);
+    if (b < 0) return false;
+    uint64_t at = header_->buffers[b].published_ns.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (header_->buffers[b].stamp.load(std::memory_order_relaxed) != stamp) continue;
+    *version = stamp - 1;
+    *published_ns = at;
+    return true;
+  }
+}
+
+int64_t LatestChannel::latest() const {
+  return static_cast<int64_t>(header_->latest.load(std::memory_order_acquire)) - 1;
+}
+
+void LatestChannel::close() {
+  header_->closed.store(1, std::memory_order_seq_cst);
+  wake();
+}
+
+bool LatestChannel::closed() const {
+  return header_->closed.load(std::memory_order_acquire) != 0;
+}
+
+// ---- waiting -------------------------------------------------------------------------------
+
+void LatestChannel::wake() {
+  header_->seq.fetch_add(1, std::memory_order_seq_cst);
+  if (header_->waiters.load(std::memory_order_seq_cst) == 0) return;
+#ifdef __linux__
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->seq), FUTEX_WAKE, INT_MAX,
+            nullptr, nullptr, 0);
+#endif
+}
+
+LatestStatus LatestChannel::wait_seq(uint32_t seen, const Deadline& deadline) {
+  if (deadline.expired()) return LatestStatus::Timeout;
+  header_->waiters.fetch_add(1, std::memory_order_seq_cst);
+#ifdef __linux__
+  // Not FUTEX_PRIVATE: the word is in memory shared between processes. WAIT_BITSET takes an
+  // absolute CLOCK_MONOTONIC deadline (Note [Monotonic time]); a changed word returns at once.
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->seq), FUTEX_WAIT_BITSET, seen,
+            deadline.infinite() ? nullptr : &deadline.when(), nullptr, FUTEX_BITSET_MATCH_ANY);
+#else
+  timespec ts{0, 1000000};
+  ::nanosleep(&ts, nullptr);
+#endif
+  header_->waiters.fetch_sub(1, std::memory_order_seq_cst);
+  if (header_->seq.load(std::memory_order_acquire) == seen && deadline.expired()) {
+    return LatestStatus::Timeout;
+  }
+  return LatestStatus::Ok;
+}
+
+}  // namespace torch_mp_ext

@@ -1,0 +1,184 @@
+// The latest-value channel (Note [Latest-value channel] in exchange/latest.h).
+#include <pybind11/stl.h>
+#include <time.h>
+
+#include <algorithm>
+
+#include "exchange/latest.h"
+#include "python/bindings.h"
+#include "shm/registry.h"
+
+namespace py = pybind11;
+
+namespace torch_mp_ext::python {
+
+namespace {
+
+/// Blocking waits run without the GIL in slices of this many seconds, so that Ctrl-C (a
+/// pending signal) interrupts them within a slice.
+constexpr double WAIT_SLICE_S = 0.05;
+
+/// A channel laid out in a Block; keeps the Block (and so the mapping) alive.
+struct PyLatestChannel {
+  py::object block;  // the _C.Block holding the memory
+  LatestChannel channel;
+};
+
+double seconds_left(const Deadline& d) {
+  timespec now;
+  ::clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<double>(d.when().tv_sec - now.tv_sec) +
+         static_cast<double>(d.when().tv_nsec - now.tv_nsec) * 1e-9;
+}
+
+/// Runs `step(slice_deadline)` without the GIL until it stops answering Timeout or the
+/// overall deadline passes; checks for signals between slices.
+template <typename Step>
+LatestStatus sliced(const py::object& timeout, Step step) {
+  Deadline overall(timeout.is_none() ? -1.0 : std::max(0.0, timeout.cast<double>()));
+  for (;;) {
+    double slice = overall.infinite() ? WAIT_SLICE_S
+                                      : std::clamp(seconds_left(overall), 0.0, WAIT_SLICE_S);
+    LatestStatus st;
+    {
+      py::gil_scoped_release nogil;
+      st = step(Deadline(slice));
+    }
+    if (st != LatestStatus::Timeout || overall.expired()) return st;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
+std::vector<CopySpan> to_spans(const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& in) {
+  std::vector<CopySpan> out;
+  out.reserve(in.size());
+  for (const auto& [offset, address, nbytes] : in) out.push_back({offset, address, nbytes});
+  return out;
+}
+
+}  // namespace
+
+void init_exchange(py::module_& m) {
+  using Spans = std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>;
+  py::class_<PyLatestChannel>(m, "LatestChannel", R"pbdoc(
+    A versioned latest-value channel laid out in a shared-memory Block: one writer, many
+    readers, K buffers (Note [Latest-value channel]). Status codes of begin_write/begin_read:
+    0 ok, 1 timeout, 2 closed, 3 stale version, 4 another process is publishing.
+  )pbdoc")
+      .def(py::init([](py::object block, uint32_t nbuffers, uint64_t buffer_bytes, bool create) {
+             auto& ref = block.cast<BlockRef&>();
+             return new PyLatestChannel{
+                 block, LatestChannel(ref.data(), ref.capacity(), nbuffers, buffer_bytes, create)};
+           }),
+           py::arg("block"), py::arg("nbuffers"), py::arg("buffer_bytes"), py::arg("create"))
+      .def_static("required_bytes", &LatestChannel::required_bytes, py::arg("nbuffers"),
+                  py::arg("buffer_bytes"))
+      .def_property_readonly("block", [](const PyLatestChannel& c) { return c.block; })
+      .def_property_readonly("nbuffers", [](const PyLatestChannel& c) { return c.channel.nbuffers(); })
+      .def_property_readonly("buffer_bytes",
+                             [](const PyLatestChannel& c) { return c.channel.buffer_bytes(); })
+      .def_property_readonly("latest", [](const PyLatestChannel& c) { return c.channel.latest(); })
+      .def_property_readonly("closed", [](const PyLatestChannel& c) { return c.channel.closed(); })
+      .def("buffer_offset", [](const PyLatestChannel& c, uint32_t i) { return c.channel.buffer_offset(i); },
+           py::arg("index"))
+      .def(
+          "begin_write",
+          [](PyLatestChannel& c, uint64_t version, const py::object& timeout) {
+            uint32_t index = 0;
+            uint64_t busy = 0;
+            LatestStatus st = sliced(timeout, [&](const Deadline& d) {
+              return c.channel.begin_write(version, d, &index, &busy);
+            });
+            return py::make_tuple(static_cast<int>(st), index, busy);
+          },
+          py::arg("version"), py::arg("timeout"),
+          R"pbdoc((status, index, busy_key): claims a back buffer for `version`.)pbdoc")
+      .def(
+          "copy_in",
+          [](PyLatestChannel& c, uint32_t index, const Spans& spans) {
+            std::vector<CopySpan> s = to_spans(spans);
+            py::gil_scoped_release nogil;
+            c.channel.copy_in(index, s);
+          },
+          py::arg("index"), py::arg("spans"),
+          R"pbdoc(memcpy of (buffer offset, source address, nbytes) spans into a claimed buffer.)pbdoc")
+      .def("commit", [](PyLatestChannel& c, uint32_t i, uint64_t v) { c.channel.commit(i, v); },
+           py::arg("index"), py::arg("version"))
+      .def("abort", [](PyLatestChannel& c, uint32_t i) { c.channel.abort(i); }, py::arg("index"))
+      .def(
+          "begin_read",
+          [](PyLatestChannel& c, int64_t newer_than, uint64_t multiple_of, const py::object& timeout) {
+            ReadTicket t;
+            LatestStatus st = sliced(timeout, [&](const Deadline& d) {
+              return c.channel.begin_read(newer_than, std::max<uint64_t>(multiple_of, 1), d, &t);
+            });
+            return py::make_tuple(static_cast<int>(st), t.index, t.slot, t.version, t.published_ns);
+          },
+          py::arg("newer_than"), py::arg("multiple_of"), py::arg("timeout"),
+          R"pbdoc((status, index, slot, version, published_ns): pins the newest matching version.)pbdoc")
+      .def(
+          "end_read",
+          [](PyLatestChannel& c, uint32_t index, uint32_t slot, uint64_t version) {
+            ReadTicket t;
+            t.index = index;
+            t.slot = slot;
+            t.version = version;
+            return c.channel.end_read(t);
+          },
+          py::arg("index"), py::arg("slot"), py::arg("version"),
+          R"pbdoc(Unpins; False if the buffer changed under the read (read again).)pbdoc")
+      .def(
+          "copy_out",
+          [](const PyLatestChannel& c, uint32_t index, const Spans& spans) {
+            std::vector<CopySpan> s = to_spans(spans);
+            py::gil_scoped_release nogil;
+            c.channel.copy_out(index, s);
+          },
+          py::arg("index"), py::arg("spans"),
+          R"pbdoc(memcpy of (buffer offset, destination address, nbytes) spans out of a buffer.)pbdoc")
+      .def(
+          "wait",
+          [](PyLatestChannel& c, int64_t newer_than, uint64_t multiple_of, const py::object& timeout) {
+            return static_cast<int>(sliced(timeout, [&](const Deadline& d) {
+              return c.channel.wait(newer_than, std::max<uint64_t>(multiple_of, 1), d);
+            }));
+          },
+          py::arg("newer_than"), py::arg("multiple_of"), py::arg("timeout"),
+          R"pbdoc(Status of waiting, pinning nothing, for a matching version.)pbdoc")
+      .def(
+          "peek",
+          [](const PyLatestChannel& c, int64_t newer_than, uint64_t multiple_of) -> py::object {
+            uint64_t version = 0, at = 0;
+            if (!c.channel.peek(newer_than, std::max<uint64_t>(multiple_of, 1), &version, &at)) {
+              return py::none();
+            }
+            return py::make_tuple(version, at);
+          },
+          py::arg("newer_than"), py::arg("multiple_of"),
+          R"pbdoc((version, published_ns) of the newest matching complete version, or None.)pbdoc")
+      .def("close", [](PyLatestChannel& c) { c.channel.close(); })
+      .def(
+          "state",
+          [](const PyLatestChannel& c) {
+            const LatestHeader& h = c.channel.header();
+            py::list stamps, readers;
+            for (uint32_t i = 0; i < h.nbuffers; ++i) stamps.append(h.buffers[i].stamp.load());
+            for (uint32_t s = 0; s < LATEST_READER_SLOTS; ++s) {
+              uint64_t key = h.readers[s].holder.load();
+              if (key != 0) readers.append(py::make_tuple(key >> 32, h.readers[s].pinned.load()));
+            }
+            py::dict d;
+            d["latest"] = c.channel.latest();
+            d["writer_pid"] = h.writer.load() >> 32;
+            d["stamps"] = stamps;
+            d["readers"] = readers;
+            d["waiters"] = h.waiters.load();
+            d["closed"] = c.channel.closed();
+            return d;
+          },
+          R"pbdoc(A snapshot for tests and debugging: stamps, writer pid, (pid, pinned) of readers.)pbdoc");
+  m.attr("LATEST_WRITING") = py::int_(STAMP_WRITING);
+  m.attr("LATEST_MAX_VERSION") = py::int_(LATEST_MAX_VERSION);
+}
+
+}  // namespace torch_mp_ext::python

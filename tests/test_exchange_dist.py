@@ -1,0 +1,47 @@
+"""The exchangers over torch.distributed: three gloo ranks on loopback, for real."""
+
+from __future__ import annotations
+
+import _exchange_workers as w
+import pytest
+import torch.distributed as dist
+from test_spawn import get, join_within
+
+import torch_mp_ext as mp
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def test_learner_and_two_collectors_over_gloo():
+    q = mp.get_context("forkserver").SimpleQueue()
+    join_within(mp.launch(w.gloo_worker, args=(q,), nprocs=3, join=False))
+    results = [get(q) for _ in range(3)]
+    (_, published, merged, env_step), = [r for r in results if r[0] == "learner"]
+    assert published == list(range(len(published)))
+    assert merged == sorted((r, s, k) for r in (1, 2) for s in range(w.STEPS) for k in range(3))
+    assert env_step == 2 * w.STEPS * 10
+    collectors = sorted(r[1:] for r in results if r[0] == "collector")
+    assert [rank for rank, _ in collectors] == [1, 2]
+    for _, loads in collectors:
+        versions = [v for v, _ in loads]
+        assert len(loads) == w.STEPS - 1 and None not in versions
+        assert versions == sorted(set(versions)) and set(versions) <= set(published)
+        assert all(value == v for v, value in loads), loads  # exactly one broadcast version
+
+
+def test_periodical_exchange_over_gloo():
+    q = mp.get_context("forkserver").SimpleQueue()
+    join_within(mp.launch(w.gloo_periodical_worker, args=(q,), nprocs=3, join=False))
+    results = sorted(get(q) for _ in range(3))
+    receivers = [steps for kind, _, steps in results if kind == "receiver"]
+    assert len(receivers) == 2
+    for steps in receivers:
+        loads = [loaded for loaded, _, _ in steps if loaded is not None]
+        assert len(loads) > 3 and loads == sorted(set(loads))
+        assert all(v % 2 == 0 for v in loads)  # the sender's period
+        current = -1
+        for loaded, stale, value in steps:
+            current = loaded if loaded is not None else current
+            assert stale == 1 if loaded is not None else stale <= 2
+            assert current < 0 or value == current
