@@ -26,6 +26,7 @@ __all__ = [
     "CorruptSegmentError",
     "PeerDiedError",
     "InvalidSharingStrategyError",
+    "CudaSharingWarning",
     "ProcessException",
     "ProcessRaisedException",
     "ProcessExitedException",
@@ -59,6 +60,14 @@ class PeerDiedError(TorchMPExtError, RuntimeError):
 
 class InvalidSharingStrategyError(TorchMPExtError, ValueError, AssertionError):
     """An unknown sharing strategy name (torch 2.13 raises AssertionError for it)."""
+
+
+class CudaSharingWarning(RuntimeWarning):
+    """A process exits while other processes still use CUDA memory it shared.
+
+    Emitted after the bounded exit wait (``torch_mp_ext.cuda.set_exit_wait``); the message
+    counts the blocks and bytes still referenced and names the processes holding them.
+    """
 
 
 _OSERROR_AS_SHARED_MEMORY = {_errno.ENOSPC, _errno.ENOMEM, _errno.EMFILE, _errno.ENFILE}
