@@ -138,12 +138,24 @@ def produce_and_exit(q, exit_wait, stderr_path, nbytes):
     sys.stderr = open(stderr_path, "w", buffering=1)  # noqa: SIM115  (kept until exit)
     import torch_mp_ext.cuda
 
-    torch_mp_ext.cuda.set_exit_wait(exit_wait)
+    torch_mp_ext.cuda.set_exit_wait(exit_wait, unreceived=None)
     install_fake()
     storage = torch.UntypedStorage(nbytes)
     q.put(_cuda_ipc.send(storage))
     del storage
     q.put("sent")
+
+
+def lend_to_nobody_and_exit(q, stderr_path):
+    """Lends a block in a message nobody receives, then exits (exit wait 30 s, of which at
+    most 0.5 s for unreceived blocks)."""
+    sys.stderr = open(stderr_path, "w", buffering=1)  # noqa: SIM115  (kept until exit)
+    import torch_mp_ext.cuda
+
+    torch_mp_ext.cuda.set_exit_wait(30, unreceived=0.5)
+    install_fake()
+    _cuda_ipc.send(torch.UntypedStorage(1000))
+    q.put("lent")
 
 
 def produce_tensor_and_wait(q, done):

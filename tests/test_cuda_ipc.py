@@ -287,16 +287,33 @@ def test_torch_format_payloads_go_to_torch(monkeypatch):
 
 def test_exit_wait_setting():
     before = torch_mp_ext.cuda.get_exit_wait()
+    assert before == (10.0, 2.0)  # the defaults
     try:
-        torch_mp_ext.cuda.set_exit_wait(None)
-        assert torch_mp_ext.cuda.get_exit_wait() is None
-        torch_mp_ext.cuda.set_exit_wait(2)
-        assert torch_mp_ext.cuda.get_exit_wait() == 2.0
-        for bad in (-1, "10", float("nan")):
+        torch_mp_ext.cuda.set_exit_wait(None, unreceived=None)
+        assert torch_mp_ext.cuda.get_exit_wait() == (None, None)
+        torch_mp_ext.cuda.set_exit_wait(3)
+        assert torch_mp_ext.cuda.get_exit_wait() == torch_mp_ext.cuda.ExitWait(3.0, 2.0)
+        for bad in (-1, "10", float("nan"), True):
             with pytest.raises(ValueError, match="seconds >= 0 or None"):
                 torch_mp_ext.cuda.set_exit_wait(bad)
     finally:
-        torch_mp_ext.cuda.set_exit_wait(before)
+        torch_mp_ext.cuda.set_exit_wait(*before)
     assert torch_mp_ext.cuda.ipc_collect() == 0
     assert set(torch_mp_ext.cuda.ipc_stats()) >= {"lent_blocks", "held_slots"}
     assert _C.holder_key() >> 32 == os.getpid()
+
+
+def test_an_unreceived_block_holds_an_exit_for_the_unreceived_wait_only(fake, tmp_path):
+    ctx = mp.get_context("spawn")  # a fresh interpreter: warnings as users see them
+    stderr = tmp_path / "stderr"
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=_cuda_workers.lend_to_nobody_and_exit, args=(q, str(stderr)))
+    start = time.monotonic()
+    p.start()
+    p.join(60)
+    elapsed = time.monotonic() - start
+    assert p.exitcode == 0 and 0.5 <= elapsed < 5, elapsed
+    assert q.get() == "lent"
+    text = stderr.read_text()
+    assert "1 CUDA block(s) (1000 bytes)" in text and "no process yet (not received)" in text
+    q.close()

@@ -38,9 +38,10 @@ collect once T is 0. torch_mp_ext layers its own counting on that, without ownin
 5. Collection runs on sends (at most every 2 ms, counts only), every 50 ms in a background
    thread while anything is lent (also reclaiming dead holders' slots and dropping empty
    counter files), and on ``torch_mp_ext.cuda.ipc_collect()``.
-6. Exit: a process first releases what it received, then waits up to
-   ``torch_mp_ext.cuda.get_exit_wait()`` seconds for what it lent, and then warns with the
-   blocks, bytes and holders still outstanding (never silently). Its counter files are unlinked;
+6. Exit: a process first releases what it received, then waits up to 10 s
+   (``torch_mp_ext.cuda.set_exit_wait``) for what it lent -- but only 2 s for blocks no process
+   has received yet (a message left in an abandoned queue) -- and then warns with the blocks,
+   bytes and holders still outstanding (never silently). Its counter files are unlinked;
    receivers that have them mapped keep decrementing harmlessly.
 """
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.util
 import os
+import time
 import warnings
 from typing import Any
 
@@ -82,8 +84,8 @@ TICKET = "tmx-cuda"
 MAX_FORWARD_EVENTS = 1000
 
 
-def _env_exit_wait() -> float | None:
-    raw = os.environ.get("TORCH_MP_EXT_CUDA_EXIT_WAIT_S", "10").strip().lower()
+def _env_seconds(name: str, default: float) -> float | None:
+    raw = os.environ.get(name, str(default)).strip().lower()
     if raw in ("none", "inf", "forever"):
         return None
     try:
@@ -91,13 +93,14 @@ def _env_exit_wait() -> float | None:
     except ValueError:
         value = -1.0
     if not value >= 0:
-        _log.warning("TORCH_MP_EXT_CUDA_EXIT_WAIT_S=%r is not a number of seconds >= 0 (or "
-                     "'none' to wait forever); using 10", raw)
-        return 10.0
+        _log.warning("%s=%r is not a number of seconds >= 0 (or 'none' to wait forever); "
+                     "using %g", name, raw, default)
+        return default
     return value
 
 
-_exit_wait: float | None = _env_exit_wait()
+_exit_wait = _env_seconds("TORCH_MP_EXT_CUDA_EXIT_WAIT_S", 10.0)
+_exit_wait_unreceived = _env_seconds("TORCH_MP_EXT_CUDA_EXIT_WAIT_UNRECEIVED_S", 2.0)
 _backend: Backend = TorchCuda()
 _cache = SharedCache()  # (IPC handle, offset) -> StorageWeakRef: one storage per block
 
@@ -108,16 +111,23 @@ def set_backend(backend: Backend) -> None:
     _backend = backend
 
 
-def get_exit_wait() -> float | None:
-    return _exit_wait
+def get_exit_wait() -> tuple[float | None, float | None]:
+    return _exit_wait, _exit_wait_unreceived
 
 
-def set_exit_wait(seconds: float | None) -> None:
-    global _exit_wait
-    if seconds is not None and not (isinstance(seconds, (int, float)) and seconds >= 0):
-        raise ValueError(f"exit wait must be a number of seconds >= 0 or None (wait until "
-                         f"every receiver released), got {seconds!r}")
-    _exit_wait = None if seconds is None else float(seconds)
+def _check_seconds(seconds: Any, what: str) -> float | None:
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise ValueError(f"{what} must be a number of seconds >= 0 or None (no limit), got "
+                         f"{seconds!r}")
+    return float(seconds)
+
+
+def set_exit_wait(seconds: float | None, unreceived: float | None) -> None:
+    global _exit_wait, _exit_wait_unreceived
+    _exit_wait, _exit_wait_unreceived = (_check_seconds(seconds, "the exit wait"),
+                                         _check_seconds(unreceived, "the unreceived wait"))
 
 
 def _current_backend() -> Backend:
@@ -255,8 +265,10 @@ def stats() -> dict[str, int]:
 
 def _at_exit() -> None:
     _borrower.release_all()
-    if _lender.pending() and not _lender.wait(_exit_wait):
-        warnings.warn(_lender.describe(_exit_wait), CudaSharingWarning, stacklevel=1)
+    start = time.monotonic()
+    if _lender.pending() and not _lender.wait(_exit_wait, _exit_wait_unreceived):
+        warnings.warn(_lender.describe(time.monotonic() - start), CudaSharingWarning,
+                      stacklevel=1)
     _lender.close()
     _borrower.close_idle()
 

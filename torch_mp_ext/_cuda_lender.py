@@ -197,19 +197,29 @@ class Lender:
                 except Exception:  # noqa: BLE001  (the thread must keep collecting)
                     _log.exception("collecting CUDA keep-alives failed")
 
-    def wait(self, timeout: float | None) -> bool:
-        """Collects until nothing is lent (True) or ``timeout`` s passed (False)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def received_tags(self) -> set[int]:
+        """Tags of sends some process has claimed (received) and still holds."""
+        with self.lock:
+            return {tag for name, records in self.lent.items() if records
+                    for _, tag, _, holder in self.files[name].counted_slots() if holder}
+
+    def wait(self, timeout: float | None, unreceived: float | None) -> bool:
+        """Collects until nothing is lent (True), or gives up (False) after ``timeout`` s, or
+        after ``unreceived`` s once what is left was never received (messages nobody may
+        ever get: an abandoned queue must not hold the process for the whole wait)."""
+        start = time.monotonic()
         while True:
             self.collect(check_holders=True, drop_files=True)
             if not self.pending():
                 return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            elapsed = time.monotonic() - start
+            if timeout is not None and elapsed >= timeout:
                 return False
-            time.sleep(0.01 if left is None else min(0.01, left))
+            if unreceived is not None and elapsed >= unreceived and not self.received_tags():
+                return False
+            time.sleep(0.01)
 
-    def describe(self, waited: float | None) -> str:
+    def describe(self, waited: float) -> str:
         """The exit warning: what is still lent, and to whom."""
         holders: dict[int, int] = {}  # pid (0: not received yet) -> blocks
         blocks = nbytes = 0
@@ -231,7 +241,7 @@ class Lender:
         who = ", ".join(
             (f"process {pid}" if pid else "no process yet (not received)") + f" ({n} block"
             + ("s)" if n > 1 else ")") for pid, n in sorted(holders.items(), key=lambda i: -i[0]))
-        how_long = "forever" if waited is None else f"{waited:g} s"
+        how_long = f"{waited:.1f} s"
         return (
             f"torch_mp_ext: process {os.getpid()} is exiting while {blocks} CUDA block(s) "
             f"({human_size(nbytes)}) it shared are still in use after waiting {how_long}; held by "

@@ -5,17 +5,19 @@ IPC handle of its allocation plus a keep-alive slot in one of torch_mp_ext's cou
 (Note [CUDA lifetimes] in ``torch_mp_ext/_cuda_ipc.py``; ``docs/cuda.md``). The producer keeps
 each sent block until every process that received it has dropped it (or died); a received
 tensor can be sent on to a third process. Collection runs by itself; :func:`ipc_collect` runs
-it now. A producer that exits while its blocks are still used waits up to
-:func:`get_exit_wait` seconds for them, then warns (:class:`~torch_mp_ext.errors.CudaSharingWarning`).
+it now. A producer that exits while its blocks are still used waits a bounded time for them
+(:func:`set_exit_wait`), then warns (:class:`~torch_mp_ext.errors.CudaSharingWarning`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from . import _cuda_ipc
 
-__all__ = ["get_exit_wait", "ipc_collect", "ipc_stats", "set_exit_wait"]
+__all__ = ["ExitWait", "get_exit_wait", "ipc_collect", "ipc_stats", "set_exit_wait"]
 
 
 def ipc_collect() -> int:
@@ -34,13 +36,27 @@ def ipc_collect() -> int:
     return released
 
 
-def get_exit_wait() -> float | None:
-    """Seconds an exiting process waits for receivers to release the CUDA blocks it shared
-    (``None``: until they do). The default is ``TORCH_MP_EXT_CUDA_EXIT_WAIT_S`` or 10."""
-    return _cuda_ipc.get_exit_wait()
+class ExitWait(NamedTuple):
+    """How long an exiting process waits for receivers of the CUDA blocks it shared.
+
+    Attributes:
+        seconds: the whole wait (``None``: until every receiver released).
+        unreceived: the part of it spent on blocks no process has received yet, i.e.
+            messages still in a queue or pipe (``None``: as long as ``seconds``). A message
+            nobody will ever get (an abandoned queue) then holds an exit for this long only.
+    """
+
+    seconds: float | None
+    unreceived: float | None
 
 
-def set_exit_wait(seconds: float | None) -> None:
+def get_exit_wait() -> ExitWait:
+    """The current exit wait. Defaults: ``TORCH_MP_EXT_CUDA_EXIT_WAIT_S`` or 10 s, and
+    ``TORCH_MP_EXT_CUDA_EXIT_WAIT_UNRECEIVED_S`` or 2 s."""
+    return ExitWait(*_cuda_ipc.get_exit_wait())
+
+
+def set_exit_wait(seconds: float | None, unreceived: float | None = 2.0) -> None:
     """Sets how long this process waits at exit for receivers of its CUDA blocks.
 
     After the wait, blocks still in use are reported with a
@@ -49,12 +65,14 @@ def set_exit_wait(seconds: float | None) -> None:
     takes (a receiver that never releases then keeps the producer alive).
 
     Args:
-        seconds: a number of seconds ``>= 0``, or ``None``.
+        seconds: the whole wait, in seconds ``>= 0``, or ``None``.
+        unreceived: the most of it spent on blocks not received by any process yet
+            (see :class:`ExitWait`), or ``None``.
 
     Raises:
-        ValueError: ``seconds`` is negative or not a number.
+        ValueError: a value is negative or not a number.
     """
-    _cuda_ipc.set_exit_wait(seconds)
+    _cuda_ipc.set_exit_wait(seconds, unreceived)
 
 
 def ipc_stats() -> dict[str, int]:
