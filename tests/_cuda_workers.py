@@ -178,3 +178,105 @@ def drop_inherited_and_exit(q, storage_box):
 
     gc.collect()
     q.put("dropped")
+
+
+# ---- on a GPU (tests/test_cuda.py) -------------------------------------------------------
+
+
+def cuda_fill(q, done):
+    """torch's simple_fill: writes 4 into every received tensor (they share one storage)."""
+    import torch_mp_ext  # noqa: F401  (our reducers)
+
+    data = q.get(timeout=60)
+    data[0][:] = 4
+    torch.cuda.synchronize()  # the parent reads as soon as `done` is set
+    done.set()
+
+
+def cuda_send_twice(q, done):
+    import torch_mp_ext  # noqa: F401
+
+    t = torch.ones(5, 5, device="cuda")
+    q.put(t)
+    q.put(t)
+    done.wait(60)
+
+
+def cuda_send_and_delete(q, done, count):
+    """torch's send_and_delete_tensors: the producer drops each tensor right after put()."""
+    import torch_mp_ext  # noqa: F401
+
+    for i in range(count):
+        t = torch.full([5], i, device="cuda", dtype=torch.int32)
+        q.put(t)
+        del t
+    done.wait(60)
+
+
+def cuda_multiply_two(q, ready, done):
+    """torch's cuda_multiply_two: waits on the sender's event, doubles, records."""
+    import torch_mp_ext  # noqa: F401
+
+    ready.set()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        event, tensor = q.get(timeout=60)
+        event.wait()
+        tensor.mul_(2)
+        event.record()
+        done.set()
+        del event
+
+
+def cuda_forward(q_in, q_out, done):
+    """Receives a CUDA tensor, sends it on (no clone), drops it, exits when `done` is set."""
+    import torch_mp_ext  # noqa: F401
+
+    t = q_in.get(timeout=60)
+    q_out.put(t)
+    del t
+    done.wait(60)
+
+
+def cuda_read_write_hold(q_in, q_out, release):
+    """Receives a CUDA tensor, reports its sum, writes 7 into it, holds it until `release`."""
+    import torch_mp_ext  # noqa: F401
+
+    t = q_in.get(timeout=60)
+    q_out.put(float(t.sum()))
+    t.fill_(7)
+    torch.cuda.synchronize()
+    q_out.put("written")
+    release.wait(60)
+    del t
+    q_out.put("released")
+
+
+def cuda_sum_and_drop(q_in, q_out, count):
+    """Receives `count` CUDA tensors, sums them, drops each at once; reports the total and
+    this process's torch.cuda.memory_allocated() before and after."""
+    import torch_mp_ext  # noqa: F401
+
+    torch.cuda.init()
+    before = torch.cuda.memory_allocated()
+    total = 0.0
+    for _ in range(count):
+        t = q_in.get(timeout=60)
+        total += float(t.sum())
+        del t
+    q_out.put((total, before, torch.cuda.memory_allocated()))
+
+
+def cuda_share_torch_format(q, done):
+    """Shares a CUDA tensor the way torch's test_rebuild_cuda_tensor does: the keyword spec
+    from ``_share_cuda_()`` (torch's counter file, not ours)."""
+    t = torch.arange(6, dtype=torch.float32, device="cuda")
+    storage = t._typed_storage()
+    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+     event_sync) = storage._share_cuda_()
+    q.put(dict(tensor_cls=type(t), tensor_size=t.size(), tensor_stride=t.stride(),
+               tensor_offset=t.storage_offset(), storage_cls=type(storage), dtype=t.dtype,
+               storage_device=device, storage_handle=handle, storage_size_bytes=size_bytes,
+               storage_offset_bytes=offset_bytes, requires_grad=False,
+               ref_counter_handle=ref_handle, ref_counter_offset=ref_offset,
+               event_handle=event_handle, event_sync_required=event_sync))
+    done.wait(60)
