@@ -109,6 +109,9 @@ class TorchCuda(Backend):
         )
 
     def record_event(self, device: int) -> tuple[Any, bytes, bool]:
+        if torch.version.hip:  # HIP has no IPC events: synchronise instead, as torch does
+            self.synchronize(device)
+            return None, bytes(64), False
         event = torch.cuda.Event(interprocess=True)
         event.record(torch.cuda.current_stream(device))
         return event, event.ipc_handle(), True
