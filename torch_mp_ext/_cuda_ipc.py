@@ -204,10 +204,37 @@ def _forward(received: Received) -> tuple:
             event_handle, event_sync)
 
 
+_preservation_checked = False
+
+
+def _check_storage_preservation() -> None:
+    """A received slot is released when its storage's Python object dies, which is when the
+    storage dies only if torch keeps storage objects alive with their storage (PyObject
+    preservation, torch >= 2.1). Without it the slot would go while tensors still use the
+    block: refuse instead."""
+    global _preservation_checked
+    if _preservation_checked:
+        return
+    import weakref
+
+    storage = torch.UntypedStorage(8)
+    tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+    ref = weakref.ref(storage)
+    del storage
+    if ref() is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} does not keep a storage's Python object alive with "
+            "the storage, which torch_mp_ext needs to know when a received CUDA tensor is "
+            "gone: receive CUDA tensors with torch >= 2.1.")
+    del tensor
+    _preservation_checked = True
+
+
 def receive(device: int, handle: bytes, nbytes: int, offset: int, ticket: tuple, slot: int,
             event_handle: bytes | None, event_sync: bool | None) -> torch.UntypedStorage:
     """The storage for a lent block: the one this process already has for it, or a new one
     whose death gives the slot back (Note [CUDA lifetimes])."""
+    _check_storage_preservation()
     owner_key, sender_pid = ticket[5], ticket[6]
     key = (handle, offset)
 
