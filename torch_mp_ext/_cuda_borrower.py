@@ -45,9 +45,11 @@ class Lease:
 
     def release(self, synchronize: bool) -> None:
         """Gives the slot back, once, in the process that claimed it (not in forked copies)."""
+        if self.pid != os.getpid():
+            return  # a forked copy: neither the slot nor the (inherited) lock is ours
         borrower = self.borrower
         with borrower.lock:
-            if self.released or self.pid != os.getpid():
+            if self.released:
                 return
             self.released = True
             borrower.leases.pop(id(self), None)
@@ -60,6 +62,8 @@ class Lease:
 
 
 class Received:
+    """What a received storage was built from: enough to send it on (forward it)."""
+
     __slots__ = ("device", "handle", "lease", "nbytes", "offset", "ticket", "weak")
 
     def __init__(self, handle: bytes, offset: int, nbytes: int, device: int, ticket: tuple,

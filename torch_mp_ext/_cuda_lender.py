@@ -83,8 +83,9 @@ class Lender:
 
     Args:
         backend: returns the :class:`~torch_mp_ext._cuda_backend.Backend` to call.
-        forward_done: called (without the lock) with the counter file name of each
-            finished forward, whose file reference the borrower holds.
+        forward_done: called with the counter file name of each finished forward (the
+            borrower holds a reference to that file for it); it must not wait for this
+            lender's lock.
     """
 
     def __init__(self, backend: Callable[[], Backend], forward_done: Callable[[str], None]
