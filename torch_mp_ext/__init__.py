@@ -18,7 +18,7 @@ from torch.multiprocessing import (  # noqa: F401  (torch's own helpers, as torc
     _set_thread_name,
 )
 
-from . import _C, reductions
+from . import _C, cuda, reductions
 from ._context import default_context as _default_context
 from ._version import __version__
 from .arena import (

@@ -27,6 +27,7 @@ __all__ = [
     "PeerDiedError",
     "InvalidSharingStrategyError",
     "ChannelClosedError",
+    "CudaSharingWarning",
     "ProcessException",
     "ProcessRaisedException",
     "ProcessExitedException",
@@ -65,6 +66,14 @@ class InvalidSharingStrategyError(TorchMPExtError, ValueError, AssertionError):
 class ChannelClosedError(TorchMPExtError, EOFError):
     """A :class:`~torch_mp_ext.StateDictChannel` (or an exchanger on it) was closed: no
     newer version will come, or no version may be published any more."""
+
+
+class CudaSharingWarning(RuntimeWarning):
+    """A process exits while other processes still use CUDA memory it shared.
+
+    Emitted after the bounded exit wait (``torch_mp_ext.cuda.set_exit_wait``); the message
+    counts the blocks and bytes still referenced and names the processes holding them.
+    """
 
 
 _OSERROR_AS_SHARED_MEMORY = {_errno.ENOSPC, _errno.ENOMEM, _errno.EMFILE, _errno.ENFILE}

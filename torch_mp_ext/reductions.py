@@ -3,8 +3,10 @@
 Mirrors ``torch.multiprocessing.reductions`` (every public name there exists here) with one
 change of mechanism: CPU storages travel as handles to arena blocks (``rebuild_storage``)
 instead of one fd or one ``/dev/shm`` file per storage. Storages that torch itself put in
-shared memory (``share_memory_()``, DataLoader batches) still travel through torch's handles,
-and CUDA tensors through torch's IPC path until torch_mp_ext's own lands.
+shared memory (``share_memory_()``, DataLoader batches) still travel through torch's handles.
+CUDA tensors travel as torch's IPC handle plus a keep-alive slot in one of our counter files
+(Note [CUDA lifetimes] in ``_cuda_ipc.py``), through ``rebuild_cuda_tensor`` with torch's
+signature; received CUDA tensors can be sent on.
 
 Note [Identity of rebuilt storages]
 Each process keeps ``shared_cache``: block handle key -> weak reference to the storage built
@@ -32,7 +34,6 @@ from torch.multiprocessing.reductions import (  # re-exported: same behaviour as
     SharedCache,
     StorageWeakRef,
     fd_id,
-    rebuild_cuda_tensor,
     rebuild_event,
     rebuild_meta_tensor,
     rebuild_nested_tensor,
@@ -49,7 +50,7 @@ from torch.multiprocessing.reductions import (  # re-exported: same behaviour as
     reduce_typed_storage_child,
 )
 
-from . import _C, _memory
+from . import _C, _cuda_ipc, _memory
 
 __all__ = [
     "SharedCache",
@@ -72,6 +73,7 @@ __all__ = [
     "rebuild_typed_storage",
     "rebuild_typed_storage_child",
     "reduce_array",
+    "reduce_cuda_tensor",
     "reduce_event",
     "reduce_nested_tensor",
     "reduce_sparse_tensor",
@@ -195,9 +197,78 @@ def rebuild_cpu_tensor(
     return t
 
 
+def rebuild_cuda_tensor(
+    tensor_cls: type,
+    tensor_size: tuple,
+    tensor_stride: tuple,
+    tensor_offset: int,
+    storage_cls: type,
+    dtype: torch.dtype,
+    storage_device: int,
+    storage_handle: bytes | None,
+    storage_size_bytes: int,
+    storage_offset_bytes: int,
+    requires_grad: bool,
+    ref_counter_handle: Any,
+    ref_counter_offset: int,
+    event_handle: bytes | None,
+    event_sync_required: bool | None,
+) -> torch.Tensor:
+    """Rebuilds a CUDA tensor on a block of another process (torch's signature).
+
+    ``ref_counter_handle`` is our keep-alive ticket (Note [CUDA lifetimes]) when torch_mp_ext
+    sent the tensor; bytes (torch's counter file, as ``storage._share_cuda_()`` returns) are
+    handed to torch's own ``rebuild_cuda_tensor``.
+    """
+    if not _cuda_ipc.is_ticket(ref_counter_handle) and storage_handle is not None:
+        return _torch_reductions.rebuild_cuda_tensor(
+            tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype,
+            storage_device, storage_handle, storage_size_bytes, storage_offset_bytes,
+            requires_grad, ref_counter_handle, ref_counter_offset, event_handle,
+            event_sync_required,
+        )
+    if storage_handle is None or storage_size_bytes == 0:
+        storage = storage_cls(0, dtype=dtype, device=storage_device, _internal=True)
+        untyped = storage if isinstance(storage, torch.UntypedStorage) else storage._untyped_storage
+    else:
+        untyped = _cuda_ipc.receive(
+            storage_device, storage_handle, storage_size_bytes, storage_offset_bytes,
+            ref_counter_handle, ref_counter_offset, event_handle, event_sync_required,
+        )
+    t = torch._utils._rebuild_tensor(
+        torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True),
+        tensor_offset, tensor_size, tensor_stride,
+    )
+    if tensor_cls == torch.nn.parameter.Parameter:
+        # requires_grad goes into the constructor: integer Parameters must get False there.
+        return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
+    t.requires_grad = requires_grad
+    return t
+
+
+def reduce_cuda_tensor(tensor: torch.Tensor) -> tuple:
+    """Pickles a strided CUDA tensor: the IPC handle of its allocation, its offset, and a
+    keep-alive slot (or, for a received tensor, the original handle and a new slot of its
+    producer's counter file)."""
+    torch.utils.hooks.warn_if_has_hooks(tensor)
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0 or storage.data_ptr() == 0:
+        shared: tuple = (tensor.device.index, None, 0, 0, None, 0, None, None)
+    else:
+        shared = _cuda_ipc.send(storage)
+    device, handle, nbytes, offset, ticket, slot, event_handle, event_sync = shared
+    return (
+        rebuild_cuda_tensor,
+        (type(tensor), tensor.size(), tensor.stride(), tensor.storage_offset(),
+         torch.storage.TypedStorage, tensor.dtype, device, handle, nbytes, offset,
+         tensor.requires_grad, ticket, slot, event_handle, event_sync),
+    )
+
+
 def reduce_tensor(tensor: torch.Tensor) -> tuple:
-    """Pickles a tensor: a CPU tensor as one block handle plus its layout; the rest as torch
-    does (CUDA IPC handles, meta, nested, sparse -- whose parts come back here)."""
+    """Pickles a tensor: a CPU tensor as one block handle plus its layout, a CUDA tensor by
+    IPC handle and keep-alive slot; the rest as torch does (meta, nested, sparse -- whose
+    parts come back here)."""
     if tensor.requires_grad and not tensor.is_leaf:
         raise RuntimeError(
             "Cowardly refusing to serialize non-leaf tensor which requires_grad, "
@@ -205,7 +276,11 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple:
             "If you just want to transfer the data, call detach() on the tensor "
             "before serializing (e.g., putting it on the queue)."
         )
-    if tensor.device.type != "cpu" or tensor.is_nested or tensor.layout != torch.strided:
+    if tensor.is_nested or tensor.layout != torch.strided:
+        return _torch_reductions.reduce_tensor(tensor)
+    if tensor.device.type == "cuda":
+        return reduce_cuda_tensor(tensor)
+    if tensor.device.type != "cpu":
         return _torch_reductions.reduce_tensor(tensor)
     torch.utils.hooks.warn_if_has_hooks(tensor)
     # Gradients and hooks are not sent (Note [Don't serialize hooks] in torch).
@@ -276,7 +351,8 @@ def init_reductions() -> None:
     """Registers the reducers with ``multiprocessing.reduction.ForkingPickler``.
 
     Registration is process-wide and by exact type (the last registration wins): this
-    replaces torch's reducers for CPU storages and tensors, keeps torch's for the rest.
+    replaces torch's reducers for CPU storages and for CPU and CUDA tensors, and keeps
+    torch's for the rest (``torch.cuda.Event`` keeps ``reduce_event``/``rebuild_event``).
     """
     reduction.register(torch.cuda.Event, reduce_event)
     for t in torch._storage_classes:

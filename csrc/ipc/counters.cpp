@@ -1,5 +1,7 @@
 #include "ipc/counters.h"
 
+#include <algorithm>
+
 #include "common/check.h"
 #include "platform/process.h"
 
@@ -37,14 +39,16 @@ void CounterFile::check_slot(uint32_t slot) const {
                   capacity(), " slots)");
 }
 
-bool CounterFile::acquire(int64_t initial, uint32_t* slot, uint32_t* generation) {
-  TMX_CHECK_VALUE(owner_, "only the process that created a counter file acquires its slots");
+bool CounterFile::acquire(int64_t initial, uint64_t tag, uint32_t* slot,
+                          uint32_t* generation) {
   uint32_t index = free_pop(mapping_->header());
   if (index == NO_BLOCK) return false;
   BlockSlot& s = mapping_->slots()[index];
-  *generation = s.generation.fetch_add(1, std::memory_order_acq_rel) + 1;
-  s.holder.store(0, std::memory_order_relaxed);
+  // Tag, holder and count first, the generation last (Note [Counter snapshots]).
+  s.tag.store(tag, std::memory_order_release);
+  s.holder.store(0, std::memory_order_release);
   s.refcount.store(initial, std::memory_order_release);
+  *generation = s.generation.fetch_add(1, std::memory_order_acq_rel) + 1;
   mapping_->header()->live_blocks.fetch_add(1, std::memory_order_acq_rel);
   *slot = index;
   return true;
@@ -53,7 +57,8 @@ bool CounterFile::acquire(int64_t initial, uint32_t* slot, uint32_t* generation)
 void CounterFile::recycle(uint32_t slot) {
   check_slot(slot);
   TMX_CHECK_VALUE(owner_, "only the process that created a counter file recycles its slots");
-  mapping_->slots()[slot].holder.store(0, std::memory_order_relaxed);
+  mapping_->slots()[slot].tag.store(0, std::memory_order_release);
+  mapping_->slots()[slot].holder.store(0, std::memory_order_release);
   free_push(mapping_->header(), slot);
   mapping_->header()->live_blocks.fetch_sub(1, std::memory_order_acq_rel);
 }
@@ -73,6 +78,11 @@ uint32_t CounterFile::generation(uint32_t slot) const {
   return mapping_->slots()[slot].generation.load(std::memory_order_acquire);
 }
 
+uint64_t CounterFile::tag(uint32_t slot) const {
+  check_slot(slot);
+  return mapping_->slots()[slot].tag.load(std::memory_order_acquire);
+}
+
 void CounterFile::set_holder(uint32_t slot, uint64_t key) {
   check_slot(slot);
   mapping_->slots()[slot].holder.store(key, std::memory_order_release);
@@ -87,6 +97,107 @@ bool CounterFile::holder_alive(uint32_t slot) const {
   uint64_t key = holder(slot);
   if (key == 0) return false;
   return process_alive(static_cast<pid_t>(key >> 32), static_cast<uint32_t>(key));
+}
+
+bool CounterFile::claim(uint32_t slot, uint32_t generation) {
+  check_slot(slot);
+  BlockSlot& s = mapping_->slots()[slot];
+  if (s.generation.load(std::memory_order_acquire) != generation) return false;
+  if (mapping_->header()->pidns == pid_namespace_id()) {
+    s.holder.store(self_key(), std::memory_order_release);
+  }
+  return true;
+}
+
+namespace {
+
+struct SlotReading {
+  uint32_t generation;
+  uint64_t tag;
+  int64_t count;
+  uint64_t holder;
+  bool operator==(const SlotReading& o) const {
+    return generation == o.generation && tag == o.tag && count == o.count && holder == o.holder;
+  }
+};
+
+void read_slots(const BlockSlot* slots, uint32_t n, std::vector<SlotReading>* out) {
+  out->resize(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    (*out)[i].generation = slots[i].generation.load(std::memory_order_seq_cst);
+    (*out)[i].tag = slots[i].tag.load(std::memory_order_seq_cst);
+    (*out)[i].count = slots[i].refcount.load(std::memory_order_seq_cst);
+    (*out)[i].holder = slots[i].holder.load(std::memory_order_seq_cst);
+  }
+}
+
+}  // namespace
+
+CounterCollect CounterFile::collect(bool check_holders, int attempts) {
+  TMX_CHECK_VALUE(owner_, "only the process that created a counter file collects its slots");
+  CounterCollect result;
+  const uint32_t n = capacity();
+  BlockSlot* slots = mapping_->slots();
+  std::vector<SlotReading> first, second;
+  read_slots(slots, n, &first);
+  for (int attempt = 0; attempt < attempts; ++attempt) {
+    read_slots(slots, n, &second);
+    if (first == second) {
+      result.stable = true;
+      break;
+    }
+    first.swap(second);
+  }
+  if (!result.stable) return result;
+  std::vector<std::pair<uint64_t, bool>> alive_cache;  // few distinct holders: a flat list
+  auto holder_is_alive = [&](uint64_t key) {
+    for (const auto& [k, alive] : alive_cache) {
+      if (k == key) return alive;
+    }
+    bool alive = process_alive(static_cast<pid_t>(key >> 32), static_cast<uint32_t>(key));
+    alive_cache.emplace_back(key, alive);
+    return alive;
+  };
+  const bool same_namespace = mapping_->header()->pidns == pid_namespace_id();
+  std::vector<uint64_t> live_tags, recycled_tags;
+  for (uint32_t i = 0; i < n; ++i) {
+    const SlotReading& r = second[i];
+    if (r.tag == 0) continue;  // free, or untagged (not ours to judge)
+    if (r.count > 0) {
+      if (!(check_holders && same_namespace && r.holder != 0 && !holder_is_alive(r.holder))) {
+        live_tags.push_back(r.tag);
+        continue;
+      }
+      result.reclaimed.emplace_back(i, r.holder, r.tag);
+    }
+    recycle(i);
+    recycled_tags.push_back(r.tag);
+    ++result.recycled;
+  }
+  std::sort(live_tags.begin(), live_tags.end());
+  std::sort(recycled_tags.begin(), recycled_tags.end());
+  recycled_tags.erase(std::unique(recycled_tags.begin(), recycled_tags.end()),
+                      recycled_tags.end());
+  for (uint64_t tag : recycled_tags) {
+    if (!std::binary_search(live_tags.begin(), live_tags.end(), tag)) {
+      result.dead_tags.push_back(tag);
+    }
+  }
+  return result;
+}
+
+std::vector<std::tuple<uint32_t, uint64_t, int64_t, uint64_t>> CounterFile::counted_slots()
+    const {
+  std::vector<std::tuple<uint32_t, uint64_t, int64_t, uint64_t>> out;
+  const BlockSlot* slots = mapping_->slots();
+  for (uint32_t i = 0; i < capacity(); ++i) {
+    uint64_t tag = slots[i].tag.load(std::memory_order_acquire);
+    int64_t count = slots[i].refcount.load(std::memory_order_acquire);
+    if (tag != 0 && count > 0) {
+      out.emplace_back(i, tag, count, slots[i].holder.load(std::memory_order_acquire));
+    }
+  }
+  return out;
 }
 
 uint32_t CounterFile::in_use() const {

@@ -57,13 +57,14 @@ void init_ipc(py::module_& m) {
       .def_static("open", &CounterFile::open, py::arg("name"), py::arg("segment_id") = 0)
       .def(
           "acquire",
-          [](CounterFile& self, int64_t initial) -> py::object {
+          [](CounterFile& self, int64_t initial, uint64_t tag) -> py::object {
             uint32_t slot = 0, generation = 0;
-            if (!self.acquire(initial, &slot, &generation)) return py::none();
+            if (!self.acquire(initial, tag, &slot, &generation)) return py::none();
             return py::make_tuple(slot, generation);
           },
-          py::arg("initial") = 1,
-          R"pbdoc(Owner: (slot, generation) with the count set, or None when full.)pbdoc")
+          py::arg("initial") = 1, py::arg("tag") = 0,
+          R"pbdoc(Any process: (slot, generation) with the count and tag set, or None when
+full. Tag 0 (untagged) slots are ignored by collect().)pbdoc")
       .def("recycle", &CounterFile::recycle, py::arg("slot"))
       .def("add", &CounterFile::add, py::arg("slot"), py::arg("delta"))
       .def("value", &CounterFile::value, py::arg("slot"))
@@ -71,11 +72,36 @@ void init_ipc(py::module_& m) {
       .def("set_holder", &CounterFile::set_holder, py::arg("slot"), py::arg("key"))
       .def("holder", &CounterFile::holder, py::arg("slot"))
       .def("holder_alive", &CounterFile::holder_alive, py::arg("slot"))
+      .def("tag", &CounterFile::tag, py::arg("slot"))
+      .def("claim", &CounterFile::claim, py::arg("slot"), py::arg("generation"),
+           R"pbdoc(Receiver: False for a stale slot; else records this process as holder.)pbdoc")
+      .def(
+          "collect",
+          [](CounterFile& self, bool check_holders) {
+            CounterCollect r;
+            {
+              py::gil_scoped_release nogil;
+              r = self.collect(check_holders);
+            }
+            py::list reclaimed;
+            for (const auto& [slot, holder, tag] : r.reclaimed) {
+              reclaimed.append(py::make_tuple(slot, holder, tag));
+            }
+            return py::make_tuple(r.stable, r.dead_tags, reclaimed, r.recycled);
+          },
+          py::arg("check_holders") = true,
+          R"pbdoc(Owner: (stable, dead tags, [(slot, holder, tag) reclaimed], recycled count).
+Note [Counter snapshots]: recycles released slots and, with check_holders, those of dead
+holders; dead tags are those whose last counted slot went. When the slots kept changing,
+stable is False and nothing was recycled.)pbdoc")
+      .def("counted_slots", &CounterFile::counted_slots,
+           R"pbdoc([(slot, tag, count, holder)] of the tagged slots still counted.)pbdoc")
       .def("unlink", &CounterFile::unlink)
       .def_property_readonly("capacity", &CounterFile::capacity)
       .def_property_readonly("in_use", &CounterFile::in_use)
       .def_property_readonly("name", &CounterFile::name)
       .def_property_readonly("segment_id", &CounterFile::segment_id)
+      .def_property_readonly("owner_key", &CounterFile::owner_key)
       .def_property_readonly("owner", &CounterFile::owner);
 }
 

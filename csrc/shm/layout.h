@@ -64,7 +64,7 @@ struct BlockSlot {
   std::atomic<uint32_t> next;        ///< free-stack link (index of the next free block)
   std::atomic<uint32_t> generation;  ///< bumped at each allocation; handles carry it
   std::atomic<uint64_t> holder;      ///< counters only: holder key of the receiving process
-  uint64_t reserved;
+  std::atomic<uint64_t> tag;         ///< counters only: what the slot keeps alive (0: untagged)
 };
 static_assert(sizeof(BlockSlot) == 32, "BlockSlot is part of the shared layout");
 
