@@ -127,3 +127,13 @@ def allocate_and_send_handle(q, named, then):
 def put_and_return(q, nbytes):
     """The common worker: put a result and return (the process exits right away)."""
     q.put(torch.full((nbytes // 4,), 3.0))
+
+
+def hold_block_then_die(handle, q):
+    """Adopts a block handle, says so, and waits to be SIGKILLed holding it."""
+    from torch_mp_ext import _C
+
+    block = _C.attach(handle)
+    q.put("holding")
+    time.sleep(120)
+    del block

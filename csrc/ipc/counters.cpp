@@ -11,7 +11,7 @@ CounterFile::CounterFile(std::shared_ptr<Mapping> mapping, bool owner)
     : mapping_(std::move(mapping)), owner_(owner) {}
 
 CounterFile::~CounterFile() {
-  if (mapping_->holder_registered) holder_deregister(mapping_->header(), self_key());
+  mapping_->deregister_holder();
 }
 
 std::shared_ptr<CounterFile> CounterFile::create(uint32_t nslots) {

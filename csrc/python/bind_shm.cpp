@@ -109,6 +109,9 @@ void init_shm(py::module_& m) {
       [](uintptr_t address, size_t nbytes) { return Registry::instance().contains(address, nbytes); },
       py::arg("address"), py::arg("nbytes"),
       R"pbdoc(True if the memory lies inside one live block this process maps.)pbdoc");
+  m.def("reclaim_dead_holders", [] { return Registry::instance().reclaim_dead_holders(); },
+        R"pbdoc(Drops dead processes' block references on every mapped segment; returns how
+        many (Note [Dead holders]).)pbdoc");
   m.def("empty_cache", [] { return Arena::instance().empty_cache(); },
         R"pbdoc(Retires every owned segment with no live block; returns bytes released.)pbdoc");
   m.def("set_cache_limit", [](size_t bytes) { Arena::instance().set_cache_limit(bytes); },

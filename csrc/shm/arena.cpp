@@ -119,6 +119,11 @@ std::unique_ptr<BlockRef> Arena::allocate(size_t nbytes, bool named) {
   for (auto it = pool.rbegin(); it != pool.rend(); ++it) {
     if (auto ref = take_locked(*it)) return ref;
   }
+  if (!pool.empty() && reclaim_locked(pool) > 0) {  // dead receivers' blocks come back
+    for (auto it = pool.rbegin(); it != pool.rend(); ++it) {
+      if (auto ref = take_locked(*it)) return ref;
+    }
+  }
   size_t cached = 0;
   for (auto& [size, segments] : pools_) {
     for (auto& m : segments) {
@@ -159,8 +164,17 @@ size_t Arena::trim_locked(size_t keep_bytes) {
   return released;
 }
 
+size_t Arena::reclaim_locked(const std::vector<std::shared_ptr<Mapping>>& segments) {
+  auto& registry = Registry::instance();
+  std::lock_guard<std::mutex> lock(registry.mutex());
+  size_t reclaimed = 0;
+  for (auto& mapping : segments) reclaimed += registry.reclaim_locked(*mapping);
+  return reclaimed;
+}
+
 size_t Arena::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [size, segments] : pools_) reclaim_locked(segments);
   return trim_locked(0);
 }
 

@@ -44,7 +44,8 @@ class Arena {
   /// A new block of at least `nbytes` bytes with refcount 1, owned by the caller.
   /// `named`: a file_system (named, unpooled) segment; otherwise an anonymous pooled block.
   std::unique_ptr<BlockRef> allocate(size_t nbytes, bool named);
-  /// Retires every owned segment with no live block; returns the bytes released.
+  /// Reclaims dead holders' references, then retires every owned segment with no live block;
+  /// returns the bytes released.
   size_t empty_cache();
   ArenaStats stats();
   void set_cache_limit(size_t bytes);
@@ -59,6 +60,8 @@ class Arena {
  private:
   Arena();
   std::unique_ptr<BlockRef> take_locked(const std::shared_ptr<Mapping>& mapping);
+  /// Drops dead processes' references on `segments` (Note [Dead holders]).
+  size_t reclaim_locked(const std::vector<std::shared_ptr<Mapping>>& segments);
   size_t trim_locked(size_t keep_bytes);
   std::shared_ptr<Mapping> new_segment_locked(uint64_t block_size);
 

@@ -25,13 +25,24 @@
 // slots) set neither flag: their owner polls the counts and recycles slots itself.
 //
 // Note [Holder table]
-// Named segments list the processes that map them: (pid << 32 | start time), one atomic word
+// Every segment lists the processes that map it: (pid << 32 | start time), one atomic word
 // each, registered on map and cleared on unmap. When every registered holder is dead (pid gone,
 // or reused by a process with another start time) the name can be unlinked by anyone, which is
 // how names survive no SIGKILL: see reaper.h. Holders in another pid namespace are never judged.
 // References held by handles in flight are counted apart (`inflight`): a name whose holders
 // are all gone but which a pickled message still names is left alone (its sender may have
 // exited normally after put()); one with no live holder and nothing in flight is garbage.
+//
+// Note [Dead holders]
+// Arena segments also record which registered holder holds which block: a process holds at
+// most one counted reference per block (its BlockRefs on one block share it), marked by its
+// bit in the block's HolderMask. The bit is set after the reference is counted and cleared
+// before it is dropped, so a process killed in between leaks one reference, never frees a
+// block early. A reclaimer (the owner, when its pool runs dry, or empty_cache()) that finds a
+// registered holder dead claims its table slot (HOLDER_RECLAIMING | its own key: a second
+// reclaimer only takes over from a dead one), clears the dead holder's bits one by one with
+// an atomic AND (whoever clears a bit drops that one reference), then frees the slot. So a
+// SIGKILLed receiver's tensors go back to the pool while their owner lives on.
 #pragma once
 
 #include <atomic>
@@ -41,7 +52,7 @@
 namespace torch_mp_ext {
 
 constexpr uint64_t SEGMENT_MAGIC = 0x314d474553584d54ULL;  // "TMXSEGM1" little-endian
-constexpr uint32_t LAYOUT_VERSION = 1;
+constexpr uint32_t LAYOUT_VERSION = 2;
 /// Processes that can be registered as holders of one named segment (Note [Holder table]).
 constexpr size_t MAX_HOLDERS = 128;
 /// Bytes for a segment name, including the leading '/' and the terminating NUL.
@@ -49,6 +60,8 @@ constexpr size_t NAME_CAPACITY = 64;
 /// Alignment of every block's first byte: enough for any dtype and for AVX-512 loads.
 constexpr size_t BLOCK_ALIGNMENT = 64;
 constexpr uint32_t NO_BLOCK = 0xffffffffu;
+/// Holder-table value of a slot whose dead holder is being reclaimed (Note [Dead holders]).
+constexpr uint64_t HOLDER_RECLAIMING = uint64_t{1} << 63;
 
 enum class SegmentKind : uint32_t { Arena = 1, Counters = 2 };
 
@@ -68,6 +81,12 @@ struct BlockSlot {
 };
 static_assert(sizeof(BlockSlot) == 32, "BlockSlot is part of the shared layout");
 
+/// Arena segments: which registered holders (bit i = holders[i]) hold a block.
+struct HolderMask {
+  std::atomic<uint64_t> bits[MAX_HOLDERS / 64];
+};
+static_assert(sizeof(HolderMask) == MAX_HOLDERS / 8, "HolderMask is part of the shared layout");
+
 struct SegmentHeader {
   uint64_t magic;
   uint32_t layout_version;
@@ -77,6 +96,7 @@ struct SegmentHeader {
   uint64_t total_size;  ///< bytes of the whole mapping
   uint64_t block_size;
   uint64_t data_offset;
+  uint64_t masks_offset;  ///< HolderMask table (arena segments), 0 if none
   uint32_t nblocks;
   int32_t owner_pid;
   uint64_t owner_key;  ///< holder key of the creator
@@ -100,6 +120,21 @@ constexpr size_t slots_offset() {
 
 inline BlockSlot* slots_of(SegmentHeader* h) {
   return reinterpret_cast<BlockSlot*>(reinterpret_cast<char*>(h) + slots_offset());
+}
+
+inline HolderMask* masks_of(SegmentHeader* h) {
+  if (h->masks_offset == 0) return nullptr;
+  return reinterpret_cast<HolderMask*>(reinterpret_cast<char*>(h) + h->masks_offset);
+}
+
+inline void mask_set(HolderMask& mask, int holder) {
+  mask.bits[holder / 64].fetch_or(uint64_t{1} << (holder % 64), std::memory_order_acq_rel);
+}
+
+/// Clears `holder`'s bit; true if this call cleared it (it was set).
+inline bool mask_clear(HolderMask& mask, int holder) {
+  uint64_t bit = uint64_t{1} << (holder % 64);
+  return mask.bits[holder / 64].fetch_and(~bit, std::memory_order_acq_rel) & bit;
 }
 
 // ---- lock-free free stack (Treiber stack with an ABA tag) -------------------------------

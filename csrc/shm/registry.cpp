@@ -30,10 +30,7 @@ bool owner_gone(const SegmentHeader* h) {
 /// Crash cleanup for a named segment this process stops mapping (Note [Holder table]).
 void maybe_reap_on_unmap(Mapping& m) {
   SegmentHeader* h = m.header();
-  if (m.holder_registered) {
-    holder_deregister(h, self_key());
-    m.holder_registered = false;
-  }
+  m.deregister_holder();
   if (h->inflight.load(std::memory_order_acquire) != 0) return;
   bool referenced = false;
   for (uint32_t i = 0; i < h->nblocks; ++i) {
@@ -123,6 +120,7 @@ std::shared_ptr<Mapping> Registry::insert_locked(std::shared_ptr<Mapping> mappin
 }
 
 void Registry::erase_locked(const std::shared_ptr<Mapping>& mapping) {
+  mapping->deregister_holder();
   idle_.remove(mapping);
   by_address_.erase(reinterpret_cast<uintptr_t>(mapping->data_begin()));
   by_id_.erase(mapping->id());
@@ -155,7 +153,26 @@ std::unique_ptr<BlockRef> Registry::adopt_locked(const std::shared_ptr<Mapping>&
                                                  uint32_t index) {
   auto ref = std::make_unique<BlockRef>(mapping, index);
   link_locked(ref.get());
+  auto& counts = mapping->local_counts;
+  if (counts.empty()) counts.assign(mapping->nblocks(), 0);
+  if (counts[index]++ == 0) {
+    HolderMask* masks = masks_of(mapping->header());
+    if (masks != nullptr && mapping->holder_index >= 0) {
+      mask_set(masks[index], mapping->holder_index);  // Note [Dead holders]: after counting
+    }
+  } else {
+    decref_block(*mapping, index);  // this process already holds its one counted reference
+  }
   return ref;
+}
+
+void Registry::drop_local_locked(Mapping& mapping, uint32_t index) {
+  if (--mapping.local_counts[index] != 0) return;
+  HolderMask* masks = masks_of(mapping.header());
+  if (masks != nullptr && mapping.holder_index >= 0) {
+    mask_clear(masks[index], mapping.holder_index);  // Note [Dead holders]: before dropping
+  }
+  decref_block(mapping, index);
 }
 
 void Registry::on_release(BlockRef* ref) {
@@ -163,9 +180,44 @@ void Registry::on_release(BlockRef* ref) {
   if (!ref->live_) return;
   ref->live_ = false;
   if (released_) return;  // release_all() already dropped this process's references
-  decref_block(*ref->mapping_, ref->index_);
   unlink_locked(ref);
+  drop_local_locked(*ref->mapping_, ref->index_);
   maybe_unmap_locked(ref->mapping_);
+}
+
+size_t Registry::reclaim_locked(Mapping& mapping) {
+  SegmentHeader* h = mapping.header();
+  HolderMask* masks = masks_of(h);
+  if (masks == nullptr || h->pidns != pid_namespace_id()) return 0;
+  size_t reclaimed = 0;
+  uint64_t me = self_key();
+  for (size_t slot = 0; slot < MAX_HOLDERS; ++slot) {
+    uint64_t key = h->holders[slot].load(std::memory_order_acquire);
+    if (key == 0 || key == me) continue;
+    uint64_t subject = key & ~HOLDER_RECLAIMING;  // the dead holder, or a reclaimer of it
+    if (process_alive(static_cast<pid_t>(subject >> 32), static_cast<uint32_t>(subject))) {
+      continue;
+    }
+    uint64_t claim = HOLDER_RECLAIMING | me;
+    if (!h->holders[slot].compare_exchange_strong(key, claim, std::memory_order_acq_rel)) {
+      continue;  // someone else claimed it first
+    }
+    for (uint32_t i = 0; i < h->nblocks; ++i) {
+      if (mask_clear(masks[i], static_cast<int>(slot))) {
+        decref_block(mapping, i);
+        ++reclaimed;
+      }
+    }
+    h->holders[slot].compare_exchange_strong(claim, 0, std::memory_order_acq_rel);
+  }
+  return reclaimed;
+}
+
+size_t Registry::reclaim_dead_holders() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t reclaimed = 0;
+  for (auto& [id, mapping] : by_id_) reclaimed += reclaim_locked(*mapping);
+  return reclaimed;
 }
 
 void Registry::maybe_unmap_locked(const std::shared_ptr<Mapping>& mapping) {
@@ -309,12 +361,14 @@ void Registry::release_all() {
     std::lock_guard<std::mutex> lock(mu_);
     if (released_) return;
     released_ = true;
-    for (BlockRef* ref = refs_; ref != nullptr; ref = ref->next_) {
-      if (!ref->live_) continue;
-      decref_block(*ref->mapping_, ref->index_);
-      ref->live_ = false;
-    }
+    for (BlockRef* ref = refs_; ref != nullptr; ref = ref->next_) ref->live_ = false;
     for (auto& [id, mapping] : by_id_) {
+      auto& counts = mapping->local_counts;
+      for (uint32_t i = 0; i < counts.size(); ++i) {
+        if (counts[i] == 0) continue;
+        counts[i] = 1;
+        drop_local_locked(*mapping, i);
+      }
       mapping->local_refs = 0;
       if (mapping->named()) maybe_reap_on_unmap(*mapping);
       if (mapping->owned && mapping->fd() >= 0) {
@@ -367,14 +421,18 @@ void Registry::atfork_child() {
   }
   refresh_self_after_fork();
   FdServer::instance().atfork_child();
-  uint64_t key = self_key();
-  for (BlockRef* ref = refs_; ref != nullptr; ref = ref->next_) {
-    if (ref->live_) ref->mapping_->slots()[ref->index_].refcount.fetch_add(1);
-  }
   for (auto& [id, mapping] : by_id_) {
     mapping->owned = false;
     mapping->close_fd();
-    if (mapping->named()) mapping->holder_registered = holder_register(mapping->header(), key);
+    mapping->holder_index = -1;  // the parent's slot; the child takes its own
+    mapping->register_holder();
+    HolderMask* masks = masks_of(mapping->header());
+    auto& counts = mapping->local_counts;
+    for (uint32_t i = 0; i < counts.size(); ++i) {
+      if (counts[i] == 0) continue;  // Note [Mappings and fork]: the child counts its own
+      mapping->slots()[i].refcount.fetch_add(1, std::memory_order_acq_rel);
+      if (masks != nullptr && mapping->holder_index >= 0) mask_set(masks[i], mapping->holder_index);
+    }
   }
   mu_.unlock();
   Arena::instance().atfork_child();

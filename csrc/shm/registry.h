@@ -8,7 +8,7 @@
 // Note [Mappings and fork]
 // After fork(2) the child inherits every mapping and every live BlockRef, but holds no counted
 // reference yet: the atfork child handler increments each inherited block once, registers the
-// child as a holder of named segments, forgets ownership (the parent allocates from its
+// child as a holder of every segment (Note [Dead holders]), forgets ownership (the parent allocates from its
 // segments; the child makes its own) and closes inherited owner fds. The registry mutex is
 // taken in the atfork prepare handler so the child never inherits it locked.
 #pragma once
@@ -107,6 +107,10 @@ class Registry {
   /// Drops every reference this process still holds (interpreter exit); later BlockRef
   /// destructions are no-ops.
   void release_all();
+  /// Drops the references of dead processes on every mapped segment (Note [Dead holders]);
+  /// returns how many were dropped.
+  size_t reclaim_dead_holders();
+  size_t reclaim_locked(Mapping& mapping);
   RegistryStats stats();
 
   void atfork_prepare();
@@ -123,6 +127,7 @@ class Registry {
   Mapping* locate_locked(uintptr_t address, size_t nbytes, uint32_t* index, size_t* offset);
   std::shared_ptr<Mapping> insert_locked(std::shared_ptr<Mapping> mapping);
   void link_locked(BlockRef* ref);
+  void drop_local_locked(Mapping& mapping, uint32_t index);
   void unlink_locked(BlockRef* ref);
   void maybe_unmap_locked(const std::shared_ptr<Mapping>& mapping);
   void erase_locked(const std::shared_ptr<Mapping>& mapping);

@@ -24,6 +24,12 @@ std::atomic<AnonymousBackend> g_backend{AnonymousBackend::Memfd};
 
 size_t round_up(size_t value, size_t to) { return (value + to - 1) / to * to; }
 
+/// Where the HolderMask table starts (arena segments only), right after the slots.
+size_t masks_offset_for(const SegmentSpec& spec) {
+  if (spec.kind != SegmentKind::Arena) return 0;
+  return round_up(slots_offset() + sizeof(BlockSlot) * spec.nblocks, 64);
+}
+
 std::string human_bytes(uint64_t n) {
   char buf[32];
   if (n >= (1ull << 30)) {
@@ -102,6 +108,7 @@ void init_header(char* base, size_t size, size_t data_offset, const SegmentSpec&
   h->total_size = size;
   h->block_size = spec.block_size;
   h->data_offset = data_offset;
+  h->masks_offset = masks_offset_for(spec);
   h->nblocks = spec.nblocks;
   h->owner_pid = self_pid();
   h->owner_key = self_key();
@@ -112,6 +119,9 @@ void init_header(char* base, size_t size, size_t data_offset, const SegmentSpec&
   std::snprintf(h->name, sizeof(h->name), "%s", name.c_str());
   BlockSlot* slots = slots_of(h);
   for (uint32_t i = 0; i < spec.nblocks; ++i) new (&slots[i]) BlockSlot();
+  if (HolderMask* masks = masks_of(h)) {
+    for (uint32_t i = 0; i < spec.nblocks; ++i) new (&masks[i]) HolderMask();
+  }
   // Free stack in index order: the owner hands out low blocks first.
   for (uint32_t i = spec.nblocks; i-- > 0;) free_push(h, i);
   std::atomic_thread_fence(std::memory_order_release);
@@ -132,7 +142,8 @@ std::shared_ptr<Mapping> validate(char* base, size_t size, UniqueFd fd, std::str
         " but this torch_mp_ext understands version ", LAYOUT_VERSION,
         ": every process must run the same torch_mp_ext release"));
   }
-  if (h->total_size != size || h->data_offset + h->block_size * h->nblocks > size) {
+  if (h->total_size != size || h->data_offset + h->block_size * h->nblocks > size ||
+      h->masks_offset + sizeof(HolderMask) * h->nblocks > h->data_offset) {
     throw CorruptSegmentError(detail::str_cat("shared memory segment ", resource, " is ",
                                               size, " bytes but its header says ",
                                               h->total_size));
@@ -158,7 +169,9 @@ AnonymousBackend anonymous_backend() { return g_backend.load(); }
 
 size_t segment_size_for(const SegmentSpec& spec, size_t* data_offset) {
   size_t page = page_size();
-  size_t offset = round_up(slots_offset() + sizeof(BlockSlot) * spec.nblocks, page);
+  size_t tables = slots_offset() + sizeof(BlockSlot) * spec.nblocks;
+  if (size_t masks = masks_offset_for(spec)) tables = masks + sizeof(HolderMask) * spec.nblocks;
+  size_t offset = round_up(tables, page);
   if (data_offset != nullptr) *data_offset = offset;
   return round_up(offset + spec.block_size * spec.nblocks, page);
 }
@@ -233,7 +246,7 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
   }
   if (spec.named) fd.reset();  // named segments are reopened by name: no fd to keep
   auto mapping = std::make_shared<Mapping>(base, size, std::move(fd), name, true);
-  if (spec.named) mapping->holder_registered = holder_register(mapping->header(), self_key());
+  mapping->register_holder();
   return mapping;
 }
 
@@ -246,12 +259,15 @@ std::shared_ptr<Mapping> map_segment_fd(UniqueFd fd, uint64_t expected_id) {
   }
   char* base = map_fd(fd.get(), size, resource);
   fd.reset();  // a mapping does not need its fd: receivers hold none (Note [fd budget])
+  std::shared_ptr<Mapping> mapping;
   try {
-    return validate(base, size, UniqueFd(), "", expected_id, resource);
+    mapping = validate(base, size, UniqueFd(), "", expected_id, resource);
   } catch (...) {
     ::munmap(base, size);
     throw;
   }
+  mapping->register_holder();
+  return mapping;
 }
 
 std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t expected_id) {
@@ -271,7 +287,7 @@ std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t ex
     ::munmap(base, size);
     throw;
   }
-  mapping->holder_registered = holder_register(mapping->header(), self_key());
+  mapping->register_holder();
   return mapping;
 }
 
@@ -280,32 +296,38 @@ bool unlink_name(const std::string& name) {
   return ::shm_unlink(name.c_str()) == 0;
 }
 
-bool holder_register(SegmentHeader* h, uint64_t key) {
-  for (auto& slot : h->holders) {
+int holder_register(SegmentHeader* h, uint64_t key) {
+  for (size_t i = 0; i < MAX_HOLDERS; ++i) {
     uint64_t expected = 0;
-    if (slot.load(std::memory_order_relaxed) == 0 &&
-        slot.compare_exchange_strong(expected, key, std::memory_order_acq_rel)) {
-      return true;
+    if (h->holders[i].load(std::memory_order_relaxed) == 0 &&
+        h->holders[i].compare_exchange_strong(expected, key, std::memory_order_acq_rel)) {
+      return static_cast<int>(i);
     }
   }
-  return false;  // table full: this holder is invisible to the reaper (it stays conservative)
+  return -1;  // table full: this holder is invisible to reapers and reclaimers (it leaks
+              // rather than loses anything)
 }
 
-void holder_deregister(SegmentHeader* h, uint64_t key) {
-  for (auto& slot : h->holders) {
-    uint64_t expected = key;
-    if (slot.load(std::memory_order_relaxed) == key &&
-        slot.compare_exchange_strong(expected, 0, std::memory_order_acq_rel)) {
-      return;
-    }
-  }
+void holder_deregister(SegmentHeader* h, int index, uint64_t key) {
+  if (index < 0) return;
+  uint64_t expected = key;
+  h->holders[index].compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
+}
+
+void Mapping::register_holder() {
+  if (holder_index < 0) holder_index = holder_register(header(), self_key());
+}
+
+void Mapping::deregister_holder() {
+  holder_deregister(header(), holder_index, self_key());
+  holder_index = -1;
 }
 
 bool any_live_holder(SegmentHeader* h, uint64_t except_key) {
   if (h->pidns != pid_namespace_id()) return true;  // cannot judge other namespaces
   for (auto& slot : h->holders) {
     uint64_t key = slot.load(std::memory_order_acquire);
-    if (key == 0 || key == except_key) continue;
+    if (key == 0 || key == except_key || (key & HOLDER_RECLAIMING)) continue;
     auto pid = static_cast<pid_t>(key >> 32);
     if (process_alive(pid, static_cast<uint32_t>(key))) return true;
   }

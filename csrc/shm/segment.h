@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/unique_fd.h"
 #include "shm/layout.h"
@@ -53,9 +54,16 @@ class Mapping {
   int fd() const { return fd_.get(); }
   void close_fd() { fd_.reset(); }
 
-  bool owned = false;            ///< created by this process: its allocator may hand out blocks
-  bool holder_registered = false;
-  int64_t local_refs = 0;        ///< live BlockRefs of this process on this segment
+  bool owned = false;     ///< created by this process: its allocator may hand out blocks
+  int holder_index = -1;  ///< this process's slot in the holder table, -1 if unregistered
+  int64_t local_refs = 0; ///< live BlockRefs of this process on this segment
+  /// Live BlockRefs of this process per block; they share one counted reference.
+  std::vector<uint32_t> local_counts;
+
+  /// Registers this process in the holder table (Note [Holder table]); idempotent.
+  void register_holder();
+  /// Leaves the holder table.
+  void deregister_holder();
 
  private:
   char* base_;
@@ -78,9 +86,9 @@ std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t ex
 /// shm_unlink that tolerates ENOENT (someone else won the race); true if this call removed it.
 bool unlink_name(const std::string& name);
 
-/// Holder table helpers (Note [Holder table]).
-bool holder_register(SegmentHeader* h, uint64_t key);
-void holder_deregister(SegmentHeader* h, uint64_t key);
+/// Holder table helpers (Note [Holder table]): the slot index taken, or -1 if full.
+int holder_register(SegmentHeader* h, uint64_t key);
+void holder_deregister(SegmentHeader* h, int index, uint64_t key);
 /// True if a registered holder other than `except_key` may be alive (other pid namespaces and
 /// undecidable cases count as alive).
 bool any_live_holder(SegmentHeader* h, uint64_t except_key);
