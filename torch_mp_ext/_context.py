@@ -99,7 +99,27 @@ class Process(_StrategyCarrier, _ctx.Process):
 
 
 class _QueueFactories:
-    """Queue constructors of torch_mp_ext's contexts (overridden as our queues land)."""
+    """Queue constructors of torch_mp_ext's contexts: the crash-safe shared-memory queues of
+    :mod:`torch_mp_ext.queues`, so ``Pool``, ``DataLoader`` and code written for
+    ``multiprocessing`` use them unchanged."""
+
+    def Queue(self, maxsize: int = 0) -> Any:  # noqa: N802 (stdlib name)
+        """Returns a :class:`torch_mp_ext.queues.Queue`."""
+        from .queues import Queue
+
+        return Queue(maxsize, ctx=self)
+
+    def JoinableQueue(self, maxsize: int = 0) -> Any:  # noqa: N802
+        """Returns a :class:`torch_mp_ext.queues.JoinableQueue`."""
+        from .queues import JoinableQueue
+
+        return JoinableQueue(maxsize, ctx=self)
+
+    def SimpleQueue(self) -> Any:  # noqa: N802
+        """Returns a :class:`torch_mp_ext.queues.SimpleQueue`."""
+        from .queues import SimpleQueue
+
+        return SimpleQueue(ctx=self)
 
 
 class ForkContext(_QueueFactories, _ctx.ForkContext):

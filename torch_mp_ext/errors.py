@@ -26,6 +26,7 @@ __all__ = [
     "CorruptSegmentError",
     "PeerDiedError",
     "InvalidSharingStrategyError",
+    "QueueClosedError",
     "ProcessException",
     "ProcessRaisedException",
     "ProcessExitedException",
@@ -55,6 +56,11 @@ class CorruptSegmentError(TorchMPExtError, RuntimeError):
 
 class PeerDiedError(TorchMPExtError, RuntimeError):
     """A process died while holding shared state that could not be repaired."""
+
+
+class QueueClosedError(TorchMPExtError, ValueError):
+    """An operation on a queue object that was closed in this process (``multiprocessing``
+    raises ``ValueError`` there, so this is one)."""
 
 
 class InvalidSharingStrategyError(TorchMPExtError, ValueError, AssertionError):
