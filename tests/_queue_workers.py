@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import queue
+import struct
 import time
-import zlib
 
 import numpy as np
 import torch
@@ -46,6 +46,11 @@ def echo(q_in, q_out, count):
         q_out.put(q_in.get(timeout=TIMEOUT), timeout=TIMEOUT)
 
 
+def echo_simple(q_in, sq_out, count):
+    for _ in range(count):
+        sq_out.put(q_in.get(timeout=TIMEOUT))
+
+
 def produce_sequence(q, producer, count, batch):
     """Puts (producer, i) for i in range(count), one by one or put_many in batches."""
     if batch:
@@ -62,8 +67,11 @@ def consume_until_none(q, out, batch):
     got = []
     while True:
         items = q.get_many(batch, timeout=TIMEOUT) if batch else [q.get(timeout=TIMEOUT)]
-        for item in items:
+        for k, item in enumerate(items):
             if item is None:
+                extra = items[k + 1:]  # other consumers' sentinels: give them back
+                if extra:
+                    q.put_many(extra, timeout=TIMEOUT)
                 out.put(got, timeout=TIMEOUT)
                 return
             got.append(item)
@@ -130,20 +138,29 @@ class TensorDataset(torch.utils.data.Dataset):
 
 # ---- the SIGKILL test's processes ---------------------------------------------------------
 
+_FILLERS = {}
+
+
+def _filler(size):
+    if size not in _FILLERS:
+        _FILLERS[size] = bytes((k * 7 + size) % 251 for k in range(size))
+    return _FILLERS[size]
+
 
 def make_payload(producer, seq, size):
-    body = bytes((producer * 31 + seq + k) % 251 for k in range(min(size, 64))) * (
-        size // 64 + 1)
-    body = body[:size]
-    return (producer, seq, zlib.crc32(body), body)
+    """(producer, seq, body): the body names its item at both ends around a known filler, so
+    any mix of two frames (a torn item) fails check_payload."""
+    tag = struct.pack("<II", producer, seq)
+    return (producer, seq, tag + _filler(size) + tag)
 
 
 def check_payload(item):
-    producer, seq, crc, body = item
-    return zlib.crc32(body) == crc
+    producer, seq, body = item
+    tag = struct.pack("<II", producer, seq)
+    return body[:8] == tag and body[-8:] == tag and body[8:-8] == _filler(len(body) - 16)
 
 
-def steady_producer(q, producer, stop, sizes):
+def steady_producer(q, producer, stop, sizes, out):
     seq = 0
     while not stop.is_set():
         try:
@@ -151,6 +168,7 @@ def steady_producer(q, producer, stop, sizes):
             seq += 1
         except queue.Full:
             pass
+    out.put(("produced", seq), timeout=TIMEOUT)
 
 
 def steady_consumer(q, out, stop):
@@ -158,33 +176,42 @@ def steady_consumer(q, out, stop):
     seen, torn = [], 0
     while True:
         try:
-            item = q.get(timeout=0.2)
+            items = q.get_many(32, timeout=0.2)
         except queue.Empty:
             if stop.is_set():
                 break
             continue
-        if not check_payload(item):
-            torn += 1
-        seen.append(item[:2])
-    out.put((seen, torn), timeout=TIMEOUT)
+        for item in items:
+            if isinstance(item, str):  # the parent's "still alive?" probe
+                seen.append((item, -1))
+                continue
+            if not check_payload(item):
+                torn += 1
+            seen.append(item[:2])
+    out.put(("consumed", seen, torn), timeout=TIMEOUT)
 
 
-def victim_producer(q, producer, sizes, report_fd):
-    """Puts as fast as it can until it is killed; reports each committed seq on a pipe."""
+def victim_producer(q, producer, sizes, report_fd, crash_point=0):
+    """Puts batches as fast as it can until it is killed (or dies at `crash_point`, a step of
+    Note [Ring commit]); reports committed seqs on a pipe."""
+    _C.Ring.set_crash_point(crash_point)
     seq = 0
     while True:
-        q.put(make_payload(producer, seq, sizes[seq % len(sizes)]), timeout=TIMEOUT)
-        os.write(report_fd, seq.to_bytes(4, "little"))
-        seq += 1
+        batch = [make_payload(producer, seq + k, sizes[(seq + k) % len(sizes)]) for k in range(4)]
+        q.put_many(batch, timeout=TIMEOUT)
+        os.write(report_fd, b"".join((seq + k).to_bytes(4, "little") for k in range(4)))
+        seq += 4
 
 
-def victim_consumer(q, report_fd):
-    """Gets as fast as it can until it is killed; reports each item it got on a pipe."""
+def victim_consumer(q, report_fd, crash_point=0):
+    """Gets batches as fast as it can until it is killed (or dies at `crash_point`); reports
+    what it got on a pipe."""
+    _C.Ring.set_crash_point(crash_point)
     while True:
         try:
-            item = q.get(timeout=0.05)
+            items = q.get_many(8, timeout=0.05)
         except queue.Empty:
             continue
-        ok = check_payload(item)
-        os.write(report_fd, item[0].to_bytes(2, "little") + item[1].to_bytes(4, "little")
-                 + bytes([ok]))
+        os.write(report_fd, b"".join(
+            item[0].to_bytes(2, "little") + item[1].to_bytes(4, "little")
+            + bytes([check_payload(item)]) for item in items))

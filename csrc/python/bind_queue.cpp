@@ -99,7 +99,7 @@ Status blocking(double timeout, Op&& op) {
 }
 
 /// One queue object's hold on a ring: the block (which keeps the memory mapped), the view,
-/// this object's closed flag, and whether it counts in the ring's `attached`.
+/// this object's closed flag, and whether it still counts as a holder (Note [Ring holders]).
 class RingHandle {
  public:
   RingHandle(py::object block, Ring ring) : block_(std::move(block)), ring_(ring) {}
@@ -119,13 +119,14 @@ class RingHandle {
   static std::unique_ptr<RingHandle> open(py::object block) {
     auto& ref = block.cast<BlockRef&>();
     Ring ring = Ring::open(ref.data(), ref.capacity());
+    ring.adopt_shared_holder();
     return std::make_unique<RingHandle>(std::move(block), ring);
   }
 
   py::object share() {
     TMX_CHECK_VALUE(attached_, "this queue object was closed");
     py::object handle = block_.attr("share")();
-    ring_.attach();
+    ring_.share_holder();
     return handle;
   }
 
@@ -230,11 +231,21 @@ class RingHandle {
   bool detach() {
     if (!attached_) return false;
     attached_ = false;
-    return ring_.detach();
+    uint32_t reaped = 0;
+    bool last;
+    {
+      py::gil_scoped_release nogil;
+      last = ring_.remove_holder(&reaped);
+    }
+    // Dead holders could not drop their references to the ring's block: drop them here.
+    // Ours keeps the block alive meanwhile.
+    auto& ref = block_.cast<BlockRef&>();
+    for (uint32_t i = 0; i < reaped; ++i) decref_block(*ref.mapping(), ref.index());
+    return last;
   }
 
   void attach_inherited() {
-    if (attached_) ring_.attach();
+    if (attached_) ring_.add_holders(1);
   }
 
   Ring::Counts counts() {
@@ -294,7 +305,7 @@ void init_queue(py::module_& m) {
                   py::arg("spin_ns") = DEFAULT_SPIN_NS,
                   "Constructs a new ring in `block`; this object is its first holder.")
       .def_static("open", &RingHandle::open, py::arg("block"),
-                  "Views the ring in `block`, adopting the attachment its handle carried.")
+                  "Views the ring in `block`, adopting the holder its handle carried.")
       .def_static("footprint", &Ring::footprint, py::arg("capacity"),
                   "Bytes of memory a ring of `capacity` bytes needs.")
       .def_static("frame_bytes", &Ring::frame_bytes, py::arg("payload"),
@@ -303,7 +314,7 @@ void init_queue(py::module_& m) {
           "set_crash_point", [](int point) { set_crash_point(static_cast<CrashPoint>(point)); },
           py::arg("point"), "Test hook: SIGKILL this process when an operation reaches it.")
       .def("share", &RingHandle::share,
-           "A block handle carrying one block reference and one attachment.")
+           "A block handle carrying one block reference and one holder of the ring.")
       .def("put", &RingHandle::put, py::arg("data"), py::arg("tag") = 0,
            py::arg("timeout") = -1.0)
       .def("put_many", &RingHandle::put_many, py::arg("payloads"), py::arg("tags") = py::none(),
@@ -317,7 +328,8 @@ void init_queue(py::module_& m) {
       .def("task_done", &RingHandle::task_done)
       .def("join", &RingHandle::join, py::arg("timeout") = -1.0)
       .def("close", &RingHandle::close, "Closes this object: its blocked calls return Closed.")
-      .def("detach", &RingHandle::detach, "Stops counting as a holder; True if it was the last.")
+      .def("detach", &RingHandle::detach,
+           "Stops holding the ring (reaping dead holders); True if no holder is left.")
       .def("attach_inherited", &RingHandle::attach_inherited,
            "After fork: the child's copy of this object counts as a holder too.")
       .def("qsize", [](RingHandle& r) { return r.counts().count; })
@@ -335,7 +347,17 @@ void init_queue(py::module_& m) {
       .def_property_readonly("joinable", [](RingHandle& r) { return r.ring().joinable(); })
       .def_property_readonly("recoveries", [](RingHandle& r) { return r.ring().recoveries(); })
       .def_property_readonly("broken", [](RingHandle& r) { return r.ring().broken(); })
-      .def_property_readonly("holders", [](RingHandle& r) { return r.ring().attached(); })
+      .def_property_readonly("holders", [](RingHandle& r) { return r.ring().holders(); })
+      .def(
+          "holder_table",
+          [](RingHandle& r) {
+            py::list out;
+            for (const auto& h : r.ring().holder_table()) {
+              out.append(py::make_tuple(h.pid, h.refs, h.alive));
+            }
+            return out;
+          },
+          "[(pid, queue objects, alive)] of the processes holding the ring.")
       .def_property_readonly("closed", &RingHandle::closed)
       .def_property_readonly("attached", &RingHandle::attached);
 }

@@ -8,7 +8,7 @@
 //   block  ┌──────────────────────────────────────────────────────────────────────────────┐
 //          │ RingHeader                                                                   │
 //          │   magic version flags capacity maxsize data_offset spin_ns   creator, once  │
-//          │   attached            atomic: queue objects holding the ring, all processes  │
+//          │   inflight untracked  atomic: holders in pickles / beyond the holder table   │
 //          │   recoveries broken   atomic: repairs done / repair found garbage            │
 //          │   doorbell            atomic: SimpleQueue's wake-up pipe holds a byte        │
 //          │   not_empty not_full all_done    futex conditions (Note [Why not pthread_cond_t])
@@ -16,6 +16,7 @@
 //          │   state   {head tail count unfinished}    the truth                          │
 //          │   journal {head tail count unfinished}    the next truth, valid iff ...      │
 //          │   journal_valid       ... this word is 1: the commit point of every operation│
+//          │   holders[128]        {process key, queue objects}: who holds the ring       │
 //          │ data[capacity]                                                               │
 //          │   ... free ... │head▶ [size tag|payload|pad] [size tag|payload|pad] ◀tail│ ... │
 //          └──────────────────────────────────────────────────────────────────────────────┘
@@ -45,6 +46,23 @@
 // After a repair the frames from head to tail are walked; if they do not chain exactly to tail
 // (only possible if something outside this protocol wrote the memory) the ring is marked
 // broken and every later operation raises PeerDiedError rather than deliver a torn item.
+//
+// Note [Ring holders]
+// Every queue object holding the ring, in any process, is counted in `holders`, by process
+// (pid << 32 | start time, so a recycled pid is another process): the creator, every copy a
+// pickle became (counted in `inflight` while the pickle travels) and every copy a fork
+// inherited. Each such object also holds one reference to the ring's block. When an object
+// lets go (remove_holder), the processes in the table that are dead are reaped: whatever
+// they held is handed back to the caller, which drops the block references they could not
+// drop themselves (a SIGKILLed or SIGTERMed worker: Pool.terminate(), a DataLoader worker
+// killed on timeout). The caller that finds no live holder left, nothing in flight, is the
+// last one: it drains the ring (Note [Queue lifetime] in queues.py). Table updates are made
+// under the mutex; a slot is published by its key, written last, so a death mid-update
+// leaves either a free slot or a holder that the next reaper judges. Holders in another pid
+// namespace are never judged dead; beyond the table's 128 processes they are only counted.
+// A holder in flight is never judged either: a pickle may be opened long after its sender
+// exited (a queue sent through a queue). So a pickle that is never opened (its receiver was
+// killed before unpickling it) keeps the ring until the segment's owner exits.
 #pragma once
 
 #include <atomic>
@@ -69,6 +87,8 @@ constexpr uint64_t MAX_RING_CAPACITY = uint64_t{1} << 31;
 /// Default busy-wait before sleeping: about the time a Python producer needs to make its next
 /// item, so a 1→1 stream rarely pays for a futex wake-up (measured in benchmarks/bench_queue.py).
 constexpr int64_t DEFAULT_SPIN_NS = 50000;
+/// Processes a ring tracks by identity (Note [Ring holders]); more are counted, not judged.
+constexpr size_t MAX_RING_HOLDERS = 128;
 
 enum class Status : uint32_t {
   Ok = 0,
@@ -144,7 +164,7 @@ class Ring {
   /// Bytes a frame of `payload` bytes takes in the ring.
   static uint64_t frame_bytes(uint64_t payload) { return FRAME_HEADER + ((payload + 7) & ~uint64_t{7}); }
 
-  /// Constructs a new ring in `memory` (`size` bytes); attached = 1.
+  /// Constructs a new ring in `memory` (`size` bytes), held once by this process.
   static Ring create(void* memory, size_t size, const RingOptions& options);
   /// Validates and views an existing ring (CorruptSegmentError if it is not one).
   static Ring open(void* memory, size_t size);
@@ -178,11 +198,24 @@ class Ring {
   bool doorbell_should_ring();
   void doorbell_clear();
 
-  /// Queue objects holding the ring, in all processes (Note [Queue lifetime] in queues.py).
-  void attach();
-  /// True if this was the last holder.
-  bool detach();
-  int64_t attached() const;
+  /// Note [Ring holders]: `n` more queue objects of this process hold the ring.
+  void add_holders(uint32_t n);
+  /// One queue object of this process lets go. Sets `*reaped` to the holders of dead
+  /// processes it removed (their block references are the caller's to drop); returns true if
+  /// no holder is left anywhere.
+  bool remove_holder(uint32_t* reaped);
+  /// A pickle of the queue is made / was opened (it carries one holder across).
+  void share_holder();
+  void adopt_shared_holder();
+  /// Holders of every process, dead or alive, plus those in flight.
+  int64_t holders();
+  struct HolderInfo {
+    int64_t pid;
+    uint32_t refs;
+    bool alive;
+  };
+  /// The processes in the holder table (diagnostics and tests).
+  std::vector<HolderInfo> holder_table();
 
   uint64_t capacity() const;
   uint64_t maxsize() const;
