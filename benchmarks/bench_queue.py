@@ -13,6 +13,7 @@ process start-up is not timed. Run ``python benchmarks/bench_queue.py --help`` f
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import multiprocessing
 import statistics
 import sys
@@ -167,7 +168,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(note)
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"torch_mp_ext {torch_mp_ext.__version__}"
-          + (f", faster-fifo {getattr(faster_fifo, '__version__', '?')}" if faster_fifo else ""))
+          + (f", faster-fifo {importlib.metadata.version('faster-fifo')}" if faster_fifo else ""))
     return 0
 
 

@@ -156,13 +156,16 @@ class _RingQueue:
             try:
                 data, tag = dumps(obj), 0
             except Exception as exc:
-                if hasattr(exc, "add_note"):
-                    exc.add_note(f"while putting an item of type {type(obj).__qualname__} on "
-                                 f"{self!r}; nothing was put")
+                self._note(exc, obj)
                 raise
         if len(data) > self._max_payload:
             raise self._oversize(obj, len(data))
         return tag, data
+
+    def _note(self, exc: BaseException, obj: Any) -> None:
+        if hasattr(exc, "add_note"):  # Python >= 3.11: the type shows in the traceback
+            exc.add_note(f"while putting an item of type {type(obj).__qualname__} on "
+                         f"{self!r}; nothing was put")
 
     def _oversize(self, obj: Any, nbytes: int) -> ValueError:
         return ValueError(
@@ -192,7 +195,17 @@ class _RingQueue:
         """
         if self._closed:
             self._check_closed()
-        tag, data = self._encode(obj)
+        if type(obj) is bytes:
+            tag, data = TAG_BYTES, obj
+        else:  # _encode(), inlined: this is the hot path
+            tag = 0
+            try:
+                data = dumps(obj)
+            except Exception as exc:
+                self._note(exc, obj)
+                raise
+        if len(data) > self._max_payload:
+            raise self._oversize(obj, len(data))
         status = self._ring.put(data, tag, -1.0 if block and timeout is None
                                 else _timeout(block, timeout))
         if status:
@@ -242,9 +255,7 @@ class _RingQueue:
             else:
                 obj = None
         except Exception as exc:
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"while putting an item of type {type(obj).__qualname__} on "
-                             f"{self!r}; nothing was put")
+            self._note(exc, obj)
             raise
         if obj is not None:
             raise self._oversize(obj, len(data))

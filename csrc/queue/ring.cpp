@@ -1,11 +1,7 @@
 #include "queue/ring.h"
 
-#include <fcntl.h>
 #include <signal.h>
-#include <unistd.h>
 
-#include <cerrno>
-#include <cstdio>
 
 #include <algorithm>
 #include <cstring>
@@ -14,43 +10,9 @@
 #include "common/check.h"
 #include "common/errors.h"
 #include "platform/process.h"
+#include "queue/ring_internal.h"
 
 namespace torch_mp_ext {
-
-struct RingHolder {
-  uint64_t key;   ///< (pid << 32 | start time) of a process holding the ring; 0: free slot
-  uint32_t refs;  ///< queue objects of that process holding it (each holds one block reference)
-  uint32_t foreign;  ///< another pid namespace: its liveness cannot be judged from here
-};
-
-struct RingHeader {
-  uint64_t magic;
-  uint32_t version;
-  uint32_t flags;
-  uint64_t capacity;
-  uint64_t maxsize;
-  uint64_t data_offset;
-  int64_t spin_ns;
-  uint64_t pidns;  ///< pid namespace of the creator: holders elsewhere are never judged
-  std::atomic<int64_t> inflight;   ///< holders travelling in pickles, not yet opened
-  std::atomic<int64_t> untracked;  ///< holders that found the table full (never reaped)
-  std::atomic<uint64_t> recoveries;
-  std::atomic<uint32_t> broken;
-  std::atomic<uint32_t> journal_valid;
-  std::atomic<uint32_t> doorbell;
-  uint32_t reserved;
-  SharedCondition not_empty;
-  SharedCondition not_full;
-  SharedCondition all_done;
-  alignas(64) RobustMutex mutex;
-  alignas(64) RingState state;
-  RingState journal;
-  RingHolder holders[MAX_RING_HOLDERS];  ///< guarded by the mutex (Note [Ring holders])
-};
-
-static_assert(std::atomic<int64_t>::is_always_lock_free, "shared atomics must be lock-free");
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock-free");
-static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics must be lock-free");
 
 namespace {
 
@@ -71,26 +33,6 @@ inline void maybe_crash(CrashPoint point) {
   }
 }
 
-/// Store order is what makes a death at any instruction safe (Note [Ring commit]).
-inline void store_fence() { std::atomic_signal_fence(std::memory_order_seq_cst); }
-
-/// A holder process can still touch the ring: it exists, is the same process (start time),
-/// and is not a zombie (dead, only waiting for its parent to reap it).
-bool holder_alive(uint64_t key) {
-  auto pid = static_cast<pid_t>(key >> 32);
-  if (!process_alive(pid, static_cast<uint32_t>(key))) return false;
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
-  int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno != ENOENT;  // cannot tell (no /proc?): assume alive
-  char buf[512];
-  ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
-  ::close(fd);
-  if (n <= 0) return true;
-  buf[n] = '\0';
-  const char* paren = std::strrchr(buf, ')');  // the command name may contain anything
-  return paren == nullptr || paren[1] != ' ' || paren[2] != 'Z';
-}
 
 inline bool is_closed(const std::atomic<bool>* closed) {
   return closed != nullptr && closed->load(std::memory_order_acquire);
@@ -102,19 +44,6 @@ struct FrameHeader {
 };
 
 }  // namespace
-
-/// Unlocks the ring's mutex on every exit path while `on`; wait_on() clears and sets it.
-struct Ring::Held {
-  Ring* ring;
-  bool on = true;
-  ~Held() {
-    if (on) ring->h_->mutex.unlock_noexcept();
-  }
-  void release() {
-    on = false;
-    ring->unlock();
-  }
-};
 
 namespace {
 static_assert(sizeof(FrameHeader) == FRAME_HEADER, "frame header is part of the shared layout");
@@ -424,93 +353,6 @@ bool Ring::doorbell_should_ring() {
 }
 
 void Ring::doorbell_clear() { h_->doorbell.store(0, std::memory_order_seq_cst); }
-
-// ---- holders (Note [Ring holders]) --------------------------------------------------------
-
-void Ring::add_holders(uint32_t n) {
-  lock(Deadline(-1), false);
-  Held held{this};
-  uint64_t key = self_key();
-  RingHolder* free_slot = nullptr;
-  for (RingHolder& holder : h_->holders) {
-    if (holder.key == key) {
-      holder.refs += n;
-      return;
-    }
-    if (holder.key == 0 && free_slot == nullptr) free_slot = &holder;
-  }
-  if (free_slot == nullptr) {
-    h_->untracked.fetch_add(n, std::memory_order_acq_rel);
-    return;
-  }
-  free_slot->refs = n;
-  free_slot->foreign = pid_namespace_id() != h_->pidns ? 1 : 0;
-  store_fence();
-  free_slot->key = key;  // published last: a death before this leaves a free slot
-}
-
-bool Ring::remove_holder(uint32_t* reaped) {
-  *reaped = 0;
-  lock(Deadline(-1), false);
-  Held held{this};
-  uint64_t key = self_key();
-  bool counted = false;
-  bool others = false;
-  for (RingHolder& holder : h_->holders) {
-    if (holder.key == 0) continue;
-    if (holder.key == key && !counted) {
-      counted = true;
-      if (holder.refs > 0) holder.refs -= 1;
-      if (holder.refs == 0) holder.key = 0;
-      else others = true;
-      continue;
-    }
-    bool alive = holder.foreign != 0 || holder_alive(holder.key);
-    if (alive) {
-      others |= holder.refs > 0;
-      continue;
-    }
-    *reaped += holder.refs;  // a process that died holding the ring: reclaim its share
-    holder.refs = 0;
-    store_fence();
-    holder.key = 0;
-  }
-  if (!counted && h_->untracked.load(std::memory_order_acquire) > 0) {
-    h_->untracked.fetch_sub(1, std::memory_order_acq_rel);
-  }
-  return !others && h_->inflight.load(std::memory_order_acquire) == 0 &&
-         h_->untracked.load(std::memory_order_acquire) == 0;
-}
-
-void Ring::share_holder() { h_->inflight.fetch_add(1, std::memory_order_acq_rel); }
-
-void Ring::adopt_shared_holder() {
-  add_holders(1);
-  h_->inflight.fetch_sub(1, std::memory_order_acq_rel);
-}
-
-std::vector<Ring::HolderInfo> Ring::holder_table() {
-  lock(Deadline(-1), false);
-  Held held{this};
-  std::vector<HolderInfo> out;
-  for (const RingHolder& holder : h_->holders) {
-    if (holder.key == 0) continue;
-    out.push_back(HolderInfo{static_cast<int64_t>(holder.key >> 32), holder.refs,
-                             holder.foreign != 0 || holder_alive(holder.key)});
-  }
-  return out;
-}
-
-int64_t Ring::holders() {
-  lock(Deadline(-1), false);
-  Held held{this};
-  int64_t n = h_->inflight.load(std::memory_order_acquire) +
-              h_->untracked.load(std::memory_order_acquire);
-  for (const RingHolder& holder : h_->holders) {
-    if (holder.key != 0) n += holder.refs;
-  }
-  return n;
-}
 
 uint64_t Ring::capacity() const { return h_->capacity; }
 uint64_t Ring::maxsize() const { return h_->maxsize; }
