@@ -39,7 +39,8 @@ def main(kills, seed):
     q = ctx.Queue(max_bytes=512 * 1024)
     stop_producing, stop_consuming = stdlib.Event(), stdlib.Event()
     results = stdlib.Queue()  # reports travel outside the queue under test
-    steady_p = ctx.Process(target=workers.steady_producer, args=(q, 0, stop_producing, SIZES, results))
+    steady_p = ctx.Process(target=workers.steady_producer,
+                           args=(q, 0, stop_producing, SIZES, results))
     steady_c = ctx.Process(target=workers.steady_consumer, args=(q, results, stop_consuming))
     steady_p.start()
     steady_c.start()

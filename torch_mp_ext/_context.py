@@ -109,7 +109,9 @@ class _QueueFactories:
 
         return Queue(maxsize, max_bytes=max_bytes, ctx=self)
 
-    def JoinableQueue(self, maxsize: int = 0, *, max_bytes: int | None = None) -> Any:  # noqa: N802
+    def JoinableQueue(  # noqa: N802
+        self, maxsize: int = 0, *, max_bytes: int | None = None
+    ) -> Any:
         """Returns a :class:`torch_mp_ext.queues.JoinableQueue`."""
         from .queues import JoinableQueue
 

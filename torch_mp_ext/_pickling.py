@@ -18,13 +18,14 @@ A frame can hold references: every block handle pickled inside it carries one (N
 lifetime] in ``csrc/shm/layout.h``). When the last holder of a queue lets it go with frames
 left, each frame is loaded by :class:`_Releaser`, an unpickler that imports nothing: the
 reducers' rebuild functions that take over a reference (``rebuild_storage``,
-``rebuild_array``) are replaced by functions that only drop it, and every other global
-becomes an inert stand-in that accepts any construction. So the memory of a tensor put and
-never taken is freed with the queue, without running user code or needing the item's
-classes to be importable in that process. (The alternative, recording the handles of each
-frame beside it, would put a second protocol into the reducers for no gain.) References that
-torch's own handles carry (CUDA IPC, torch-shared storages) are outside this: as with
-``multiprocessing.Queue``, a message never received leaks what its sender registered.
+``rebuild_cpu_tensor``, ``rebuild_array``) are replaced by functions that only drop it, and
+every other global becomes an inert stand-in that accepts any construction. So the memory of
+a tensor put and never taken is freed with the queue, without running user code or needing
+the item's classes to be importable in that process. (The alternative, recording the handles
+of each frame beside it, would put a second protocol into the reducers for no gain.)
+References that torch's own handles carry (CUDA IPC, torch-shared storages) are outside
+this: as with ``multiprocessing.Queue``, a message never received leaks what its sender
+registered.
 """
 
 from __future__ import annotations
@@ -158,13 +159,15 @@ def _drop_storage(cls: Any, handle: tuple, offset: int, nbytes: int) -> None:
     _C.release_handle(handle)
 
 
-def _drop_array(handle: tuple, *rest: Any) -> None:
+def _drop_handle_first(handle: tuple, *rest: Any) -> None:
     _C.release_handle(handle)
 
 
+# Every rebuild function of reductions.py that takes over a block reference.
 _DROPPERS = {
     ("torch_mp_ext.reductions", "rebuild_storage"): _drop_storage,
-    ("torch_mp_ext.reductions", "rebuild_array"): _drop_array,
+    ("torch_mp_ext.reductions", "rebuild_cpu_tensor"): _drop_handle_first,
+    ("torch_mp_ext.reductions", "rebuild_array"): _drop_handle_first,
 }
 
 

@@ -2,11 +2,11 @@
 
 ::
 
-    producer process                         shared memory (one arena block)           consumer
-    put(obj) ──pickle here (errors here)──▶  ┌ ring of frames ──────────────┐ ──▶ get() ──unpickle
-    put_many([...]) ── one lock, all or none ─▶│ [len tag payload] [...] ... │ ──▶ get_many(n)
-                                              └ robust mutex, futex waits ──┘
-    tensors / arrays inside items travel as block handles: the frame holds a few dozen bytes
+    producer                       shared memory: one arena block              consumer
+    put(obj): pickled here  ──▶  ┌ ring: [len tag payload][len tag ...] ┐ ──▶ get(): unpickled
+    put_many(items): one lock ─▶ │ robust mutex, journaled commits,     │ ──▶ get_many(n)
+                                 └ futex waits on CLOCK_MONOTONIC       ┘
+    tensors and arrays inside items travel as block handles of a few dozen bytes
 
 :class:`Queue`, :class:`JoinableQueue` and :class:`SimpleQueue` keep the signatures,
 blocking rules and exceptions of ``multiprocessing``'s (``queue.Full``, ``queue.Empty``,
@@ -29,6 +29,15 @@ frames hold (Note [Releasing dropped frames] in ``_pickling.py``), then the ring
 back to the arena with its last block reference. A SIGKILLed process stays a holder: as with
 any block it held (Note [Process exit] in ``_memory.py``), its queues are reclaimed when the
 segment's owner exits.
+
+Note [Rings are anonymous]
+A queue's ring is an anonymous arena block whatever the sharing strategy: the strategy is
+about what each *tensor* costs (an fd or a ``/dev/shm`` name), while a ring is one segment
+that every process maps once and whose fd no receiver keeps (Note [fd budget] in
+``csrc/shm/registry.h``). Anonymous, it can leave no name behind after a SIGKILL, and
+``file_system`` users' ``/dev/shm`` holds only their tensors. The one cost: a process that
+first receives a queue after its creator exited cannot map it (the creator's fd server is
+gone), so give queues to processes while their creator lives (the usual parent → child).
 """
 
 from __future__ import annotations
@@ -39,10 +48,11 @@ import queue
 import weakref
 from typing import Any, Iterable, List, NoReturn, Optional
 
-from . import _C, _memory
+from . import _C
 from ._pickling import TAG_BYTES, decode, dumps, loads, release_frame
 from ._queue_compat import SimpleQueueCompat
 from .errors import QueueClosedError
+from .sharing import get_all_sharing_strategies
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES"]
 
@@ -51,6 +61,9 @@ __all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES"]
 DEFAULT_MAX_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_BYTES", 4 * 1024 * 1024 - 4096))
 #: Busy-wait before a blocked get/put sleeps (Note [Why not pthread_cond_t]).
 SPIN_NS = int(os.environ.get("TORCH_MP_EXT_QUEUE_SPIN_NS", 50_000))
+
+#: Note [Rings are anonymous]: only where there is no file_descriptor strategy is a ring named.
+_RING_NAMED = "file_descriptor" not in get_all_sharing_strategies()
 
 _OK, _EMPTY, _FULL, _TIMEOUT, _CLOSED = (int(s) for s in (
     _C.Status.Ok, _C.Status.Empty, _C.Status.Full, _C.Status.Timeout, _C.Status.Closed))
@@ -115,7 +128,7 @@ class _RingQueue:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 16:
             raise ValueError(f"max_bytes must be an integer of at least 16, got {max_bytes!r}")
         self._maxsize = maxsize if maxsize > 0 else 0
-        block = _memory.allocate(_C.Ring.footprint(capacity))
+        block = _C.allocate(_C.Ring.footprint(capacity), _RING_NAMED)
         self._setup(_C.Ring.create(block, capacity, self._maxsize, self._joinable, SPIN_NS))
 
     def _setup(self, ring: _C.Ring) -> None:

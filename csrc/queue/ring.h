@@ -162,7 +162,9 @@ class Ring {
   /// Bytes of memory a ring of `capacity` needs.
   static size_t footprint(uint64_t capacity);
   /// Bytes a frame of `payload` bytes takes in the ring.
-  static uint64_t frame_bytes(uint64_t payload) { return FRAME_HEADER + ((payload + 7) & ~uint64_t{7}); }
+  static uint64_t frame_bytes(uint64_t payload) {
+    return FRAME_HEADER + ((payload + 7) & ~uint64_t{7});
+  }
 
   /// Constructs a new ring in `memory` (`size` bytes), held once by this process.
   static Ring create(void* memory, size_t size, const RingOptions& options);

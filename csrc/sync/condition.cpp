@@ -54,7 +54,8 @@ SharedCondition::Woke SharedCondition::wait(uint32_t seen, const Deadline& deadl
   }
   if (deadline.expired()) return Woke::TimedOut;
   waiters_.fetch_add(1, std::memory_order_seq_cst);
-  long rc = futex(&seq_, FUTEX_WAIT_BITSET, seen, deadline.infinite() ? nullptr : &deadline.when());
+  const timespec* until = deadline.infinite() ? nullptr : &deadline.when();
+  long rc = futex(&seq_, FUTEX_WAIT_BITSET, seen, until);
   int err = rc == -1 ? errno : 0;
   waiters_.fetch_sub(1, std::memory_order_seq_cst);
   // The futex's failures are its answers (not TMX_SYSCHECK): EAGAIN means `seq` had already

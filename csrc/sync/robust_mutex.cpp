@@ -70,6 +70,8 @@ void RobustMutex::mark_consistent() {
   pthread_check(::pthread_mutex_consistent(&mutex_), "pthread_mutex_consistent");
 }
 
-void RobustMutex::unlock() { pthread_check(::pthread_mutex_unlock(&mutex_), "pthread_mutex_unlock"); }
+void RobustMutex::unlock() {
+  pthread_check(::pthread_mutex_unlock(&mutex_), "pthread_mutex_unlock");
+}
 
 }  // namespace torch_mp_ext
