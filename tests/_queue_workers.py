@@ -51,6 +51,11 @@ def echo_simple(q_in, sq_out, count):
         sq_out.put(q_in.get(timeout=TIMEOUT))
 
 
+def put_simple(sq, producer, count):
+    for i in range(count):
+        sq.put((producer, i))
+
+
 def produce_sequence(q, producer, count, batch):
     """Puts (producer, i) for i in range(count), one by one or put_many in batches."""
     if batch:

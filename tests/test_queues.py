@@ -219,6 +219,24 @@ def test_simple_queue_api_and_doorbell():
         q.get()
 
 
+def test_simple_queue_doorbell_never_misses_an_item_from_other_processes():
+    """connection.wait() on _reader (what ProcessPoolExecutor's manager thread does) wakes for
+    every item put by any process: a lost ring would stall this loop."""
+    ctx = mp.get_context("fork")
+    sq = ctx.SimpleQueue()
+    producers = [ctx.Process(target=workers.put_simple, args=(sq, i, 3000)) for i in range(3)]
+    for p in producers:
+        p.start()
+    got = 0
+    while got < 9000:
+        assert multiprocessing.connection.wait([sq._reader], timeout=10) == [sq._reader], got
+        sq._reader.recv()
+        got += 1
+    for p in producers:
+        p.join(T)
+    assert not sq._reader.poll()
+
+
 def test_round_trip_through_child_processes(start_method):
     ctx = mp.get_context(start_method)
     q_in, q_out = ctx.Queue(), ctx.SimpleQueue()

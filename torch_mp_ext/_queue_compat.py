@@ -13,10 +13,11 @@ method is overridden).
 The ``fileno()`` is a doorbell: a non-blocking pipe shared by every process holding the
 queue (inherited on fork, passed as ``DupFd`` when pickled) and a flag in shared memory
 meaning "a byte is in the pipe". A put rings (writes one byte) only when the flag was clear;
-a get settles: clears the flag, empties the pipe, and rings again if items remain. Any order
-of these steps leaves the pipe readable whenever an item is queued (the flag and the ring
-state are read and written with sequentially consistent operations on both sides), and the
-pipe never holds more than a few bytes. Gets by processes that never look at ``_reader``
+a get settles: clears the flag, empties the pipe, then, if items remain, sets the flag and
+writes a byte whatever the flag said (a put may have set it and had its byte swallowed by the
+emptying). Any interleaving of these steps leaves the pipe readable whenever an item is
+queued (the flag and the ring state are read and written with sequentially consistent
+operations on both sides), and the pipe never holds more than a few bytes. Gets by processes that never look at ``_reader``
 keep it honest too, so a waiter never spins on a stale byte for long.
 """
 
@@ -132,7 +133,13 @@ class SimpleQueueCompat:
         except BlockingIOError:
             pass
         if ring.qsize() > 0:
-            self._after_put()
+            # Ring whatever the flag says: a put may have set it and written its byte just
+            # before the drain above swallowed that byte.
+            ring.doorbell_should_ring()
+            try:
+                os.write(self._doorbell[1], b"\0")
+            except BlockingIOError:
+                pass
 
     def put_many(self, items: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         super().put_many(items, block, timeout)  # type: ignore[misc]

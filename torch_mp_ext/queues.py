@@ -161,20 +161,6 @@ class _RingQueue:
             raise QueueClosedError(f"Queue {self!r} is closed")
         raise RuntimeError(f"unexpected queue status {status}")
 
-    def _encode(self, obj: Any) -> tuple:
-        """(tag, payload) of one item; raises where pickling fails, naming the item's type."""
-        if type(obj) is bytes:
-            data, tag = obj, TAG_BYTES
-        else:
-            try:
-                data, tag = dumps(obj), 0
-            except Exception as exc:
-                self._note(exc, obj)
-                raise
-        if len(data) > self._max_payload:
-            raise self._oversize(obj, len(data))
-        return tag, data
-
     def _note(self, exc: BaseException, obj: Any) -> None:
         if hasattr(exc, "add_note"):  # Python >= 3.11: the type shows in the traceback
             exc.add_note(f"while putting an item of type {type(obj).__qualname__} on "
@@ -210,7 +196,7 @@ class _RingQueue:
             self._check_closed()
         if type(obj) is bytes:
             tag, data = TAG_BYTES, obj
-        else:  # _encode(), inlined: this is the hot path
+        else:
             tag = 0
             try:
                 data = dumps(obj)
