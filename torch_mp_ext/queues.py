@@ -78,6 +78,9 @@ def _let_go(ring: _C.Ring) -> None:
     if ring.detach():
         for tag, data in ring.drain():
             release_frame(tag, data)
+    # The block reference goes now, not at interpreter exit: a process SIGTERMed in between
+    # (Pool.terminate() during a worker's exit) would otherwise keep the ring alive.
+    ring.release()
 
 
 def _let_go_all() -> None:

@@ -100,7 +100,25 @@ Status blocking(double timeout, Op&& op) {
 
 /// One queue object's hold on a ring: the block (which keeps the memory mapped), the view,
 /// this object's closed flag, and whether it still counts as a holder (Note [Ring holders]).
+///
+/// Once it stops holding, release() drops its block reference at once, so that a process
+/// killed later in its exit path does not keep the ring alive; calls still running in other
+/// threads (counted in busy_) defer that to the object's destruction, and any later call
+/// raises ValueError instead of touching memory that may be reused.
 class RingHandle {
+  /// Marks a call that uses the ring's memory (possibly without the GIL).
+  class Use {
+   public:
+    explicit Use(RingHandle& h) : h_(h) {
+      TMX_CHECK_VALUE(!h.released_, "this queue object was closed: its shared memory is gone");
+      ++h_.busy_;
+    }
+    ~Use() { --h_.busy_; }
+
+   private:
+    RingHandle& h_;
+  };
+
  public:
   RingHandle(py::object block, Ring ring) : block_(std::move(block)), ring_(ring) {}
 
@@ -124,6 +142,7 @@ class RingHandle {
   }
 
   py::object share() {
+    Use use(*this);
     TMX_CHECK_VALUE(attached_, "this queue object was closed");
     py::object handle = block_.attr("share")();
     ring_.share_holder();
@@ -131,6 +150,7 @@ class RingHandle {
   }
 
   int put(py::handle data, uint32_t tag, double timeout) {
+    Use use(*this);
     BytesView view(data);
     FrameIn frame = view.frame(tag);
     if (view.size() <= GIL_COPY_LIMIT) {
@@ -143,6 +163,7 @@ class RingHandle {
   }
 
   int put_many(const py::list& payloads, const py::object& tags, double timeout) {
+    Use use(*this);
     size_t n = payloads.size();
     std::vector<std::unique_ptr<BytesView>> views;
     std::vector<FrameIn> frames;
@@ -169,6 +190,7 @@ class RingHandle {
 
   /// The payload (bytes) of a tag-0 frame, (tag, payload) of another, or the status (int).
   py::object get(double timeout) {
+    Use use(*this);
     ScratchLease scratch;
     Status s = ring_.get(scratch->bytes, scratch->frames, 1, Deadline(0), &closed_, true);
     if (s == Status::Busy || (s == Status::Empty && timeout != 0)) {
@@ -184,6 +206,7 @@ class RingHandle {
   }
 
   py::tuple get_many(size_t max_items, double timeout) {
+    Use use(*this);
     TMX_CHECK_VALUE(max_items > 0, "get_many: max_items must be at least 1, got ", max_items);
     ScratchLease scratch;
     Status s =
@@ -199,6 +222,7 @@ class RingHandle {
 
   /// Every frame left, ignoring this object's closed flag (the last holder's clean-up).
   py::list drain(size_t max_items) {
+    Use use(*this);
     ScratchLease scratch;
     Status s;
     {
@@ -214,22 +238,24 @@ class RingHandle {
   }
 
   int task_done() {
+    Use use(*this);
     py::gil_scoped_release nogil;
     return static_cast<int>(ring_.task_done());
   }
 
   int join(double timeout) {
+    Use use(*this);
     return static_cast<int>(
         blocking(timeout, [&](const Deadline& d) { return ring_.join(d, &closed_); }));
   }
 
   void close() {
     closed_.store(true, std::memory_order_release);
-    ring_.wake_all();  // this object's blocked callers return Closed; the others re-wait
+    if (!released_) ring_.wake_all();  // our blocked callers return Closed; others re-wait
   }
 
   bool detach() {
-    if (!attached_) return false;
+    if (!attached_ || released_) return false;
     attached_ = false;
     uint32_t reaped = 0;
     bool last;
@@ -245,17 +271,30 @@ class RingHandle {
   }
 
   void attach_inherited() {
-    if (attached_) ring_.add_holders(1);
+    if (attached_ && !released_) ring_.add_holders(1);
+  }
+
+  /// Drops the block reference now, unless a call in another thread still uses the ring.
+  bool release() {
+    if (released_ || attached_ || busy_ > 0) return false;
+    released_ = true;
+    block_.cast<BlockRef&>().release();
+    return true;
   }
 
   Ring::Counts counts() {
+    Use use(*this);
     py::gil_scoped_release nogil;
     return ring_.counts();
   }
 
   bool closed() const { return closed_.load(std::memory_order_acquire); }
+  const py::object& block() const { return block_; }
   bool attached() const { return attached_; }
-  Ring& ring() { return ring_; }
+  Ring& ring() {
+    TMX_CHECK_VALUE(!released_, "this queue object was closed: its shared memory is gone");
+    return ring_;
+  }
 
  private:
   static py::list to_list(const FrameBuffer& bytes, const std::vector<FrameOut>& frames) {
@@ -281,6 +320,8 @@ class RingHandle {
   Ring ring_;
   std::atomic<bool> closed_{false};
   bool attached_ = true;
+  bool released_ = false;
+  int busy_ = 0;  ///< calls using the ring now (changed with the GIL held)
 };
 
 }  // namespace
@@ -330,6 +371,8 @@ void init_queue(py::module_& m) {
       .def("close", &RingHandle::close, "Closes this object: its blocked calls return Closed.")
       .def("detach", &RingHandle::detach,
            "Stops holding the ring (reaping dead holders); True if no holder is left.")
+      .def("release", &RingHandle::release,
+           "After detach(): drops the block reference now (False if a call still runs).")
       .def("attach_inherited", &RingHandle::attach_inherited,
            "After fork: the child's copy of this object counts as a holder too.")
       .def("qsize", [](RingHandle& r) { return r.counts().count; })
@@ -359,6 +402,7 @@ void init_queue(py::module_& m) {
           },
           "[(pid, queue objects, alive)] of the processes holding the ring.")
       .def_property_readonly("closed", &RingHandle::closed)
+      .def_property_readonly("block", &RingHandle::block, "The arena block the ring lives in.")
       .def_property_readonly("attached", &RingHandle::attached);
 }
 
