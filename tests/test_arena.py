@@ -65,11 +65,11 @@ def test_share_moves_modules_state_dicts_and_lists_in_place():
 
 
 def test_blocks_recycle_when_the_last_holder_anywhere_drops_them(ctx):
+    q = ctx.SimpleQueue()  # first: the queue's ring is an arena block too
     stats = mp.memory_stats()
     block = _C.allocate(4096)
     handle = block.share()
     assert block.refcount == 2
-    q = ctx.SimpleQueue()
     p = ctx.Process(target=_workers.drop_block_handle, args=(handle, q))
     p.start()
     # One counted reference per process: the child's (forked, it already had one by

@@ -99,7 +99,29 @@ class Process(_StrategyCarrier, _ctx.Process):
 
 
 class _QueueFactories:
-    """Queue constructors of torch_mp_ext's contexts (overridden as our queues land)."""
+    """Queue constructors of torch_mp_ext's contexts: the crash-safe shared-memory queues of
+    :mod:`torch_mp_ext.queues`, so ``Pool``, ``DataLoader`` and code written for
+    ``multiprocessing`` use them unchanged."""
+
+    def Queue(self, maxsize: int = 0, *, max_bytes: int | None = None) -> Any:  # noqa: N802
+        """Returns a :class:`torch_mp_ext.queues.Queue`."""
+        from .queues import Queue
+
+        return Queue(maxsize, max_bytes=max_bytes, ctx=self)
+
+    def JoinableQueue(  # noqa: N802
+        self, maxsize: int = 0, *, max_bytes: int | None = None
+    ) -> Any:
+        """Returns a :class:`torch_mp_ext.queues.JoinableQueue`."""
+        from .queues import JoinableQueue
+
+        return JoinableQueue(maxsize, max_bytes=max_bytes, ctx=self)
+
+    def SimpleQueue(self, *, max_bytes: int | None = None) -> Any:  # noqa: N802
+        """Returns a :class:`torch_mp_ext.queues.SimpleQueue`."""
+        from .queues import SimpleQueue
+
+        return SimpleQueue(max_bytes=max_bytes, ctx=self)
 
 
 class ForkContext(_QueueFactories, _ctx.ForkContext):
@@ -148,14 +170,14 @@ class DefaultContext(_ctx.BaseContext):
         return multiprocessing.get_all_start_methods()
 
     # Queue-like factories follow the concrete context, so torch_mp_ext's overrides apply.
-    def Queue(self, maxsize: int = 0) -> Any:  # noqa: N802 (stdlib name)
-        return self.get_context().Queue(maxsize)
+    def Queue(self, maxsize: int = 0, **kwargs: Any) -> Any:  # noqa: N802 (stdlib name)
+        return self.get_context().Queue(maxsize, **kwargs)
 
-    def JoinableQueue(self, maxsize: int = 0) -> Any:  # noqa: N802
-        return self.get_context().JoinableQueue(maxsize)
+    def JoinableQueue(self, maxsize: int = 0, **kwargs: Any) -> Any:  # noqa: N802
+        return self.get_context().JoinableQueue(maxsize, **kwargs)
 
-    def SimpleQueue(self) -> Any:  # noqa: N802
-        return self.get_context().SimpleQueue()
+    def SimpleQueue(self, **kwargs: Any) -> Any:  # noqa: N802
+        return self.get_context().SimpleQueue(**kwargs)
 
 
 default_context = DefaultContext()

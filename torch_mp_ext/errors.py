@@ -28,6 +28,7 @@ __all__ = [
     "InvalidSharingStrategyError",
     "ChannelClosedError",
     "CudaSharingWarning",
+    "QueueClosedError",
     "ProcessException",
     "ProcessRaisedException",
     "ProcessExitedException",
@@ -57,6 +58,11 @@ class CorruptSegmentError(TorchMPExtError, RuntimeError):
 
 class PeerDiedError(TorchMPExtError, RuntimeError):
     """A process died while holding shared state that could not be repaired."""
+
+
+class QueueClosedError(TorchMPExtError, ValueError):
+    """An operation on a queue object that was closed in this process (``multiprocessing``
+    raises ``ValueError`` there, so this is one)."""
 
 
 class InvalidSharingStrategyError(TorchMPExtError, ValueError, AssertionError):

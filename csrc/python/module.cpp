@@ -7,7 +7,8 @@
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = R"pbdoc(
-    torch_mp_ext._C: the C++ core (segments, arena, fd passing, counters, platform helpers).
+    torch_mp_ext._C: the C++ core (segments, arena, queue rings, fd passing, counters,
+    platform helpers).
 
     Private: use the torch_mp_ext package. Nothing here includes torch or CUDA headers.
   )pbdoc";
@@ -18,4 +19,5 @@ PYBIND11_MODULE(_C, m) {
   torch_mp_ext::python::init_shm(m);
   torch_mp_ext::python::init_ipc(m);
   torch_mp_ext::python::init_exchange(m);
+  torch_mp_ext::python::init_queue(m);
 }

@@ -1,0 +1,176 @@
+"""Queue throughput, one producer process to one consumer, side by side in one run.
+
+Compares torch_mp_ext's Queue with ``multiprocessing.Queue``, ``torch.multiprocessing.Queue``
+and faster-fifo (skipped with a note if it is not installed) on small items (an int, a small
+tuple) and 1 MB ``bytes`` items, with single ``put``/``get`` and, where a queue has them,
+``put_many``/``get_many`` in batches of 64. Libraries run interleaved (every library once per
+round, rounds repeated) and the table reports medians, so machine noise hits all alike.
+
+The consumer is the parent process; the producer is a forked child released by an event, so
+process start-up is not timed. Run ``python benchmarks/bench_queue.py --help`` for options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import multiprocessing
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch.multiprocessing
+
+import torch_mp_ext
+
+try:
+    import faster_fifo
+except ImportError:  # optional: installed for this benchmark only
+    faster_fifo = None
+
+BATCH = 64
+QUEUE_BYTES = 4 * 1024 * 1024 - 4096
+TIMEOUT = 120.0
+
+WORKLOADS: Dict[str, Any] = {
+    "int": 7,
+    "small tuple": (1, 2.0, "abc"),
+    "1 MB bytes": b"x" * (1 << 20),
+}
+
+
+def make_queue(lib: str) -> Any:
+    if lib == "torch_mp_ext":
+        return torch_mp_ext.get_context("fork").Queue()
+    if lib == "multiprocessing":
+        return multiprocessing.get_context("fork").Queue()
+    if lib == "torch.multiprocessing":
+        return torch.multiprocessing.get_context("fork").Queue()
+    if lib == "faster-fifo":
+        return faster_fifo.Queue(max_size_bytes=QUEUE_BYTES)
+    raise ValueError(lib)
+
+
+def has_batches(lib: str) -> bool:
+    return lib in ("torch_mp_ext", "faster-fifo")
+
+
+def produce(lib: str, q: Any, item: Any, n: int, batched: bool, go: Any) -> None:
+    go.wait(TIMEOUT)
+    if batched and lib == "torch_mp_ext":
+        chunk = [item] * BATCH
+        for start in range(0, n, BATCH):
+            q.put_many(chunk if start + BATCH <= n else [item] * (n - start), timeout=TIMEOUT)
+    elif batched and lib == "faster-fifo":
+        chunk = [item] * BATCH
+        for start in range(0, n, BATCH):
+            q.put_many(chunk if start + BATCH <= n else [item] * (n - start), timeout=TIMEOUT)
+    else:
+        put = q.put
+        for _ in range(n):
+            put(item, True, TIMEOUT)
+
+
+def consume(lib: str, q: Any, n: int, batched: bool) -> None:
+    got = 0
+    if batched and lib == "torch_mp_ext":
+        while got < n:
+            got += len(q.get_many(BATCH, timeout=TIMEOUT))
+    elif batched and lib == "faster-fifo":
+        while got < n:
+            got += len(q.get_many(block=True, timeout=TIMEOUT, max_messages_to_get=BATCH))
+    else:
+        get = q.get
+        for _ in range(n):
+            get(True, TIMEOUT)
+
+
+def run_once(lib: str, item: Any, n: int, batched: bool) -> float:
+    """Items per second of one producer → one consumer transfer of ``n`` items."""
+    ctx = multiprocessing.get_context("fork")
+    q = make_queue(lib)
+    go = ctx.Event()
+    producer = ctx.Process(target=produce, args=(lib, q, item, n, batched, go), daemon=True)
+    producer.start()
+    time.sleep(0.05)  # let the child settle: its start-up is not part of the measure
+    t0 = time.perf_counter()
+    go.set()
+    consume(lib, q, n, batched)
+    elapsed = time.perf_counter() - t0
+    producer.join(TIMEOUT)
+    if hasattr(q, "close"):
+        q.close()
+    return n / elapsed
+
+
+def fmt_rate(rate: Optional[float]) -> str:
+    if rate is None:
+        return "n/a"
+    if rate >= 1e6:
+        return f"{rate / 1e6:.2f} M/s"
+    if rate >= 1e3:
+        return f"{rate / 1e3:.1f} k/s"
+    return f"{rate:.0f} /s"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
+    parser.add_argument("--small-items", type=int, default=100_000)
+    parser.add_argument("--big-items", type=int, default=600)
+    args = parser.parse_args(argv)
+
+    libs = ["torch_mp_ext", "multiprocessing", "torch.multiprocessing"]
+    notes = []
+    if faster_fifo is not None:
+        libs.append("faster-fifo")
+    else:
+        notes.append("faster-fifo is not installed: its column is skipped "
+                     "(pip install faster-fifo to include it).")
+    rows: List[Tuple[str, str, Any, int, bool]] = []
+    for name, item in WORKLOADS.items():
+        big = isinstance(item, bytes)
+        n = args.big_items if big else args.small_items
+        rows.append((name, "put/get", item, n, False))
+        if not big:  # 64 x 1 MB cannot fit in a 4 MB queue: batches are for small items
+            rows.append((name, f"put_many/get_many x{BATCH}", item, n, True))
+
+    results: Dict[Tuple[int, str], List[float]] = {}
+    for _ in range(args.rounds):
+        for r, (name, mode, item, n, batched) in enumerate(rows):
+            for lib in libs:
+                # Queues without a batch API move the batch workload one item at a time.
+                use_batches = batched and has_batches(lib)
+                results.setdefault((r, lib), []).append(run_once(lib, item, n, use_batches))
+
+    header = ["items", "mode"] + libs + ["vs mp.Queue"] + (["vs faster-fifo"] if
+                                                             "faster-fifo" in libs else [])
+    table = []
+    for r, (name, mode, item, n, batched) in enumerate(rows):
+        med = {lib: statistics.median(results[(r, lib)]) for lib in libs}
+        line = [name, mode] + [fmt_rate(med[lib]) + ("*" if batched and not has_batches(lib)
+                                                     else "") for lib in libs]
+        line.append(f"{med['torch_mp_ext'] / med['multiprocessing']:.1f}x")
+        if "faster-fifo" in libs:
+            line.append(f"{med['torch_mp_ext'] / med['faster-fifo']:.1f}x")
+        table.append(line)
+    widths = [max(len(str(row[i])) for row in [header] + table) for i in range(len(header))]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for line in table:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+    print()
+    print(f"1 producer -> 1 consumer process (fork), items/s, median of {args.rounds} "
+          f"interleaved rounds; {args.small_items} small items, {args.big_items} x 1 MB "
+          f"per run. * no batch API: put/get one item at a time.")
+    for note in notes:
+        print(note)
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
+          f"torch_mp_ext {torch_mp_ext.__version__}"
+          + (f", faster-fifo {importlib.metadata.version('faster-fifo')}" if faster_fifo else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

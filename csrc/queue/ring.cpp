@@ -1,0 +1,363 @@
+#include "queue/ring.h"
+
+#include <signal.h>
+
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+
+#include "common/check.h"
+#include "common/errors.h"
+#include "platform/process.h"
+#include "queue/ring_internal.h"
+
+namespace torch_mp_ext {
+
+namespace {
+
+/// A blocked call returns to its caller at least this often, so the caller can run Python
+/// signal handlers (Ctrl-C) even if the signal landed while the waiter was spinning.
+constexpr double WAIT_SLICE_S = 0.2;
+constexpr int64_t WAIT_SLICE_MS = 200;
+/// How long past its deadline an operation still waits for the mutex itself: holders keep it
+/// for microseconds, so only a stopped holder makes a non-blocking call wait this long.
+constexpr long LOCK_GRACE_MS = 1000;
+
+std::atomic<int> g_crash_point{0};
+
+inline void maybe_crash(CrashPoint point) {
+  if (point != CrashPoint::None &&
+      g_crash_point.load(std::memory_order_relaxed) == static_cast<int>(point)) {
+    ::raise(SIGKILL);
+  }
+}
+
+
+inline bool is_closed(const std::atomic<bool>* closed) {
+  return closed != nullptr && closed->load(std::memory_order_acquire);
+}
+
+struct FrameHeader {
+  uint32_t size;
+  uint32_t tag;
+};
+
+}  // namespace
+
+namespace {
+static_assert(sizeof(FrameHeader) == FRAME_HEADER, "frame header is part of the shared layout");
+
+}  // namespace
+
+void set_crash_point(CrashPoint point) {
+  g_crash_point.store(static_cast<int>(point), std::memory_order_relaxed);
+}
+
+char* FrameBuffer::append(size_t n) {
+  if (size_ + n > capacity_) {
+    size_t grown = std::max<size_t>({size_ + n, capacity_ * 2, 4096});
+    std::unique_ptr<char[]> fresh(new char[grown]);
+    if (size_ > 0) std::memcpy(fresh.get(), buf_.get(), size_);
+    buf_ = std::move(fresh);
+    capacity_ = grown;
+  }
+  char* at = buf_.get() + size_;
+  size_ += n;
+  return at;
+}
+
+// ---- creation -----------------------------------------------------------------------------
+
+size_t Ring::header_bytes() { return (sizeof(RingHeader) + 63) & ~size_t{63}; }
+
+size_t Ring::footprint(uint64_t capacity) {
+  return header_bytes() + static_cast<size_t>((capacity + 7) & ~uint64_t{7});
+}
+
+Ring::Ring(RingHeader* header)
+    : h_(header), data_(reinterpret_cast<char*>(header) + header->data_offset) {}
+
+Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
+  uint64_t capacity = (options.capacity + 7) & ~uint64_t{7};
+  TMX_CHECK_VALUE(capacity >= 2 * FRAME_HEADER && capacity <= MAX_RING_CAPACITY,
+                  "a queue's capacity must be between ", 2 * FRAME_HEADER, " and ",
+                  MAX_RING_CAPACITY, " bytes, got ", options.capacity);
+  TMX_CHECK_VALUE(footprint(capacity) <= size, "a ring of ", capacity, " bytes needs ",
+                  footprint(capacity), " bytes of memory, got ", size);
+  // The block may have held anything before: construct and write every field.
+  auto* h = new (memory) RingHeader();
+  h->magic = 0;
+  h->version = RING_VERSION;
+  h->flags = options.joinable ? RING_JOINABLE : 0;
+  h->capacity = capacity;
+  h->maxsize = options.maxsize;
+  h->data_offset = header_bytes();
+  h->spin_ns = options.spin_ns < 0 ? 0 : options.spin_ns;
+  h->pidns = pid_namespace_id();
+  h->inflight.store(0, std::memory_order_relaxed);
+  h->untracked.store(0, std::memory_order_relaxed);
+  for (RingHolder& holder : h->holders) holder = RingHolder{0, 0, 0};
+  h->recoveries.store(0, std::memory_order_relaxed);
+  h->broken.store(0, std::memory_order_relaxed);
+  h->journal_valid.store(0, std::memory_order_relaxed);
+  h->doorbell.store(0, std::memory_order_relaxed);
+  h->reserved = 0;
+  h->not_empty.init();
+  h->not_full.init();
+  h->all_done.init();
+  h->mutex.init();
+  h->state = RingState{0, 0, 0, 0};
+  h->journal = RingState{0, 0, 0, 0};
+  std::atomic_thread_fence(std::memory_order_release);
+  h->magic = RING_MAGIC;
+  Ring ring(h);
+  ring.add_holders(1);
+  return ring;
+}
+
+Ring Ring::open(void* memory, size_t size) {
+  auto* h = static_cast<RingHeader*>(memory);
+  if (size < header_bytes() || h->magic != RING_MAGIC || h->version != RING_VERSION ||
+      h->data_offset != header_bytes() || h->capacity > size - header_bytes()) {
+    throw CorruptSegmentError(detail::str_cat(
+        "this shared-memory block does not hold a torch_mp_ext queue of layout version ",
+        RING_VERSION, " (was the queue created by another version of torch_mp_ext?)"));
+  }
+  return Ring(h);
+}
+
+// ---- locking and repair -------------------------------------------------------------------
+
+Ring::Lock Ring::lock(const Deadline& deadline, bool try_only) {
+  auto got = try_only ? h_->mutex.try_lock() : h_->mutex.lock(deadline, LOCK_GRACE_MS);
+  if (got == RobustMutex::Acquired::Busy) return Lock::Busy;
+  if (got == RobustMutex::Acquired::TimedOut) return Lock::TimedOut;
+  if (got == RobustMutex::Acquired::OwnerDied) repair();
+  if (h_->broken.load(std::memory_order_acquire) != 0) {
+    unlock();
+    throw PeerDiedError(
+        "this queue's shared memory was found inconsistent after a process died while using "
+        "it; no further item can be trusted. Create a new queue");
+  }
+  return Lock::Ok;
+}
+
+void Ring::unlock() { h_->mutex.unlock(); }
+
+void Ring::repair() {
+  h_->recoveries.fetch_add(1, std::memory_order_relaxed);
+  if (h_->journal_valid.load(std::memory_order_acquire) != 0) {
+    h_->state = h_->journal;  // the dead operation had committed: finish it
+    store_fence();
+    h_->journal_valid.store(0, std::memory_order_release);
+  }
+  if (!chain_ok()) h_->broken.store(1, std::memory_order_release);
+  store_fence();
+  h_->mutex.mark_consistent();
+  wake_all();  // the dead process may have died before waking anyone
+}
+
+bool Ring::chain_ok() const {
+  const RingState& s = h_->state;
+  if (s.tail < s.head || s.tail - s.head > h_->capacity || s.head % 8 != 0 || s.tail % 8 != 0) {
+    return false;
+  }
+  uint64_t pos = s.head;
+  uint64_t frames = 0;
+  while (pos < s.tail) {
+    FrameHeader fh;
+    copy_out(pos, &fh, sizeof(fh));
+    uint64_t bytes = frame_bytes(fh.size);
+    if (bytes > s.tail - pos) return false;
+    pos += bytes;
+    ++frames;
+  }
+  return frames == s.count && ((h_->flags & RING_JOINABLE) != 0 || s.unfinished == 0);
+}
+
+void Ring::commit(const RingState& next, CrashPoint after_commit) {
+  h_->journal = next;
+  store_fence();
+  h_->journal_valid.store(1, std::memory_order_release);  // the commit point
+  store_fence();
+  maybe_crash(after_commit);
+  h_->state = next;
+  store_fence();
+  h_->journal_valid.store(0, std::memory_order_release);
+}
+
+// ---- data ---------------------------------------------------------------------------------
+
+void Ring::copy_in(uint64_t pos, const void* src, size_t n) {
+  size_t at = static_cast<size_t>(pos % h_->capacity);
+  size_t first = std::min<size_t>(n, h_->capacity - at);
+  std::memcpy(data_ + at, src, first);
+  if (first < n) std::memcpy(data_, static_cast<const char*>(src) + first, n - first);
+}
+
+void Ring::copy_out(uint64_t pos, void* dst, size_t n) const {
+  size_t at = static_cast<size_t>(pos % h_->capacity);
+  size_t first = std::min<size_t>(n, h_->capacity - at);
+  std::memcpy(dst, data_ + at, first);
+  if (first < n) std::memcpy(static_cast<char*>(dst) + first, data_, n - first);
+}
+
+Status Ring::wait_on(Held& held, SharedCondition& cond, const Deadline& deadline,
+                     Status on_timeout) {
+  uint32_t seen = cond.snapshot();
+  held.release();
+  bool sliced = deadline.infinite() || deadline.remaining_ms() > WAIT_SLICE_MS;
+  auto woke = sliced ? cond.wait(seen, Deadline(WAIT_SLICE_S), h_->spin_ns)
+                     : cond.wait(seen, deadline, h_->spin_ns);
+  if (woke == SharedCondition::Woke::Interrupted) return Status::Interrupted;
+  if (woke == SharedCondition::Woke::TimedOut && sliced) return Status::Interrupted;
+  // An event, or the deadline: re-check the predicate once more under the mutex.
+  if (lock(deadline, false) != Lock::Ok) return on_timeout;
+  held.on = true;
+  return Status::Ok;
+}
+
+// ---- operations ---------------------------------------------------------------------------
+
+Status Ring::put(const FrameIn* frames, size_t n, const Deadline& deadline,
+                 const std::atomic<bool>* closed, bool try_only) {
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) total += frame_bytes(frames[i].size);
+  TMX_CHECK_VALUE(total <= h_->capacity, n == 1 ? "an item of " : "a batch of ",
+                  n == 1 ? frames[0].size : total, " bytes can never fit in a queue of ",
+                  h_->capacity, " bytes");
+  TMX_CHECK_VALUE(h_->maxsize == 0 || n <= h_->maxsize, "a batch of ", n,
+                  " items can never fit in a queue of maxsize ", h_->maxsize);
+  if (n == 0) return Status::Ok;
+  Lock got = lock(deadline, try_only);
+  if (got == Lock::Busy) return Status::Busy;
+  if (got == Lock::TimedOut) return Status::Full;
+  Held held{this};
+  for (;;) {
+    if (is_closed(closed)) return Status::Closed;
+    const RingState& s = h_->state;
+    if (s.tail - s.head + total <= h_->capacity &&
+        (h_->maxsize == 0 || s.count + n <= h_->maxsize)) {
+      break;
+    }
+    if (try_only || deadline.expired()) return Status::Full;
+    Status waited = wait_on(held, h_->not_full, deadline, Status::Full);
+    if (waited != Status::Ok) return waited;
+  }
+  maybe_crash(CrashPoint::HoldingLock);
+  RingState next = h_->state;
+  for (size_t i = 0; i < n; ++i) {
+    FrameHeader fh{frames[i].size, frames[i].tag};
+    copy_in(next.tail, &fh, sizeof(fh));
+    copy_in(next.tail + FRAME_HEADER, frames[i].data, frames[i].size);
+    next.tail += frame_bytes(frames[i].size);
+  }
+  next.count += n;
+  if ((h_->flags & RING_JOINABLE) != 0) next.unfinished += n;
+  store_fence();
+  maybe_crash(CrashPoint::PutBeforeCommit);
+  commit(next, CrashPoint::PutAfterCommit);
+  held.release();
+  if (n == 1) {
+    h_->not_empty.notify_one();
+  } else {
+    h_->not_empty.notify_all();
+  }
+  return Status::Ok;
+}
+
+Status Ring::get(FrameBuffer& bytes, std::vector<FrameOut>& frames, size_t max_frames,
+                 const Deadline& deadline, const std::atomic<bool>* closed, bool try_only) {
+  if (max_frames == 0) max_frames = 1;
+  Lock got = lock(deadline, try_only);
+  if (got == Lock::Busy) return Status::Busy;
+  if (got == Lock::TimedOut) return Status::Empty;
+  Held held{this};
+  for (;;) {
+    if (is_closed(closed)) {
+      bool pending = h_->state.count > 0;
+      held.release();
+      if (pending) h_->not_empty.notify_one();  // pass on a wake-up this caller may have had
+      return Status::Closed;
+    }
+    if (h_->state.count > 0) break;
+    if (try_only || deadline.expired()) return Status::Empty;
+    Status waited = wait_on(held, h_->not_empty, deadline, Status::Empty);
+    if (waited != Status::Ok) return waited;
+  }
+  maybe_crash(CrashPoint::HoldingLock);
+  RingState next = h_->state;
+  size_t take = static_cast<size_t>(std::min<uint64_t>(max_frames, next.count));
+  for (size_t i = 0; i < take; ++i) {
+    FrameHeader fh;
+    copy_out(next.head, &fh, sizeof(fh));
+    if (frame_bytes(fh.size) > next.tail - next.head) {
+      h_->broken.store(1, std::memory_order_release);
+      throw PeerDiedError("a queue frame header is inconsistent with the ring's state");
+    }
+    frames.push_back(FrameOut{fh.tag, fh.size, bytes.size()});
+    copy_out(next.head + FRAME_HEADER, bytes.append(fh.size), fh.size);
+    next.head += frame_bytes(fh.size);
+  }
+  next.count -= take;
+  store_fence();
+  maybe_crash(CrashPoint::GetBeforeCommit);
+  commit(next, CrashPoint::GetAfterCommit);
+  held.release();
+  h_->not_full.notify_all();
+  if (next.count > 0) h_->not_empty.notify_one();
+  return Status::Ok;
+}
+
+Status Ring::task_done() {
+  lock(Deadline(-1), false);
+  Held held{this};
+  if (h_->state.unfinished == 0) return Status::Empty;
+  RingState next = h_->state;
+  next.unfinished -= 1;
+  commit(next, CrashPoint::None);
+  held.release();
+  if (next.unfinished == 0) h_->all_done.notify_all();
+  return Status::Ok;
+}
+
+Status Ring::join(const Deadline& deadline, const std::atomic<bool>* closed) {
+  if (lock(deadline, false) != Lock::Ok) return Status::Timeout;
+  Held held{this};
+  for (;;) {
+    if (is_closed(closed)) return Status::Closed;
+    if (h_->state.unfinished == 0) return Status::Ok;
+    if (deadline.expired()) return Status::Timeout;
+    Status waited = wait_on(held, h_->all_done, deadline, Status::Timeout);
+    if (waited != Status::Ok) return waited;
+  }
+}
+
+void Ring::wake_all() {
+  h_->not_empty.notify_all();
+  h_->not_full.notify_all();
+  h_->all_done.notify_all();
+}
+
+Ring::Counts Ring::counts() {
+  lock(Deadline(-1), false);
+  Held held{this};
+  return Counts{h_->state.count, h_->state.tail - h_->state.head, h_->state.unfinished};
+}
+
+bool Ring::doorbell_should_ring() {
+  if (h_->doorbell.load(std::memory_order_seq_cst) != 0) return false;
+  h_->doorbell.store(1, std::memory_order_seq_cst);
+  return true;
+}
+
+void Ring::doorbell_clear() { h_->doorbell.store(0, std::memory_order_seq_cst); }
+
+uint64_t Ring::capacity() const { return h_->capacity; }
+uint64_t Ring::maxsize() const { return h_->maxsize; }
+bool Ring::joinable() const { return (h_->flags & RING_JOINABLE) != 0; }
+uint64_t Ring::recoveries() const { return h_->recoveries.load(std::memory_order_relaxed); }
+bool Ring::broken() const { return h_->broken.load(std::memory_order_acquire) != 0; }
+
+}  // namespace torch_mp_ext

@@ -1,0 +1,248 @@
+// A multi-producer multi-consumer ring of length-prefixed frames in shared memory.
+//
+// Note [Ring layout]
+// The ring lives in one arena block (Note [Block lifetime]); the creator placement-constructs
+// the header at the block's first byte (the block may be recycled: every field is written),
+// and other processes map the same block through a handle. Nothing in it is a pointer.
+//
+//   block  ┌──────────────────────────────────────────────────────────────────────────────┐
+//          │ RingHeader                                                                   │
+//          │   magic version flags capacity maxsize data_offset spin_ns   creator, once  │
+//          │   inflight untracked  atomic: holders in pickles / beyond the holder table   │
+//          │   recoveries broken   atomic: repairs done / repair found garbage            │
+//          │   doorbell            atomic: SimpleQueue's wake-up pipe holds a byte        │
+//          │   not_empty not_full all_done    futex conditions (Note [Why not pthread_cond_t])
+//          │   mutex               robust, process-shared; guards everything below        │
+//          │   state   {head tail count unfinished}    the truth                          │
+//          │   journal {head tail count unfinished}    the next truth, valid iff ...      │
+//          │   journal_valid       ... this word is 1: the commit point of every operation│
+//          │   holders[128]        {process key, queue objects}: who holds the ring       │
+//          │ data[capacity]                                                               │
+//          │   ... free ... │head▶ [size tag|payload|pad] [size tag|payload|pad] ◀tail│ ... │
+//          └──────────────────────────────────────────────────────────────────────────────┘
+//
+// head and tail are byte counters that only grow (position = counter % capacity); a frame is
+// an 8-byte header {payload size, tag} and the payload padded to 8 bytes, and may wrap around
+// the end of the data area. Bytes in [head, tail) are committed frames; only a get may retire
+// them (by moving head). Bytes in [tail, head + capacity) are free; only the put that holds the
+// mutex writes there, and nobody reads them.
+//
+// Note [Ring commit]
+// Every operation that changes the ring does, holding the mutex: (1) its data work (a put
+// copies frames into free space, a get copies frames out), (2) writes the new state into
+// `journal`, (3) sets journal_valid = 1: the commit point, one aligned word, (4) copies the
+// journal into `state`, (5) clears journal_valid. The steps are separated by compiler fences,
+// and the store order is all that matters: a process killed at an instruction boundary has
+// executed exactly the stores before it, and the next locker (in another process) only runs
+// after the kernel has marked the mutex owner-died, when those stores are all visible.
+// What a process killed at any instruction leaves behind:
+//   - before (3): `state` is untouched. A put's bytes lie in free space, invisible; a get's
+//     frames are still in the ring and go to the next getter. The dead operation never was.
+//   - from (3) on: the operation happened. The next locker gets EOWNERDEAD and re-applies the
+//     journal (idempotent, so a death during the repair is harmless), then marks the mutex
+//     consistent. A dead put's frames are delivered; a dead get's frames were consumed by the
+//     process that died with them: lost, never duplicated.
+//   - not holding the mutex (waiting in a condition, pickling, unpickling): nothing to repair.
+// After a repair the frames from head to tail are walked; if they do not chain exactly to tail
+// (only possible if something outside this protocol wrote the memory) the ring is marked
+// broken and every later operation raises PeerDiedError rather than deliver a torn item.
+//
+// Note [Ring holders]
+// Every queue object holding the ring, in any process, is counted in `holders`, by process
+// (pid << 32 | start time, so a recycled pid is another process): the creator, every copy a
+// pickle became (counted in `inflight` while the pickle travels) and every copy a fork
+// inherited. Each such object also holds one reference to the ring's block. When an object
+// lets go (remove_holder), the processes in the table that are dead are reaped: whatever
+// they held is handed back to the caller, which drops the block references they could not
+// drop themselves (a SIGKILLed or SIGTERMed worker: Pool.terminate(), a DataLoader worker
+// killed on timeout). The caller that finds no live holder left, nothing in flight, is the
+// last one: it drains the ring (Note [Queue lifetime] in queues.py). Table updates are made
+// under the mutex; a slot is published by its key, written last, so a death mid-update
+// leaves either a free slot or a holder that the next reaper judges. Holders in another pid
+// namespace are never judged dead; beyond the table's 128 processes they are only counted.
+// A holder in flight is never judged either: a pickle may be opened long after its sender
+// exited (a queue sent through a queue). So a pickle that is never opened (its receiver was
+// killed before unpickling it) keeps the ring until the segment's owner exits.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/deadline.h"
+#include "sync/condition.h"
+#include "sync/robust_mutex.h"
+
+namespace torch_mp_ext {
+
+constexpr uint64_t RING_MAGIC = 0x31474e4952584d54ULL;  // "TMXRING1" little-endian
+constexpr uint32_t RING_VERSION = 1;
+constexpr uint32_t RING_JOINABLE = 1u << 0;
+/// Frame header bytes: uint32 payload size + uint32 tag.
+constexpr uint64_t FRAME_HEADER = 8;
+/// The largest data area: frame sizes are 32-bit.
+constexpr uint64_t MAX_RING_CAPACITY = uint64_t{1} << 31;
+/// Default busy-wait before sleeping: about the time a Python producer needs to make its next
+/// item, so a 1→1 stream rarely pays for a futex wake-up (measured in benchmarks/bench_queue.py).
+constexpr int64_t DEFAULT_SPIN_NS = 50000;
+/// Processes a ring tracks by identity (Note [Ring holders]); more are counted, not judged.
+constexpr size_t MAX_RING_HOLDERS = 128;
+
+enum class Status : uint32_t {
+  Ok = 0,
+  Empty = 1,        ///< get: nothing before the deadline; task_done: nothing unfinished
+  Full = 2,         ///< put: no room before the deadline
+  Timeout = 3,      ///< join: tasks still unfinished at the deadline
+  Closed = 4,       ///< the caller's queue object was closed (a process-local state)
+  Interrupted = 5,  ///< a signal or a wait slice ended the wait: run signal handlers, retry
+  Busy = 6,         ///< try_only: another process holds the mutex
+};
+
+struct RingOptions {
+  uint64_t capacity = 0;  ///< bytes of frames the ring holds (rounded up to 8)
+  uint64_t maxsize = 0;   ///< most frames at once; 0: only bytes limit
+  bool joinable = false;  ///< count unfinished tasks (JoinableQueue)
+  int64_t spin_ns = DEFAULT_SPIN_NS;
+};
+
+struct FrameIn {
+  const char* data;
+  uint32_t size;
+  uint32_t tag;
+};
+
+struct FrameOut {
+  uint32_t tag;
+  uint32_t size;
+  size_t offset;  ///< into the FrameBuffer
+};
+
+/// A growable byte buffer that does not zero what it grows into.
+class FrameBuffer {
+ public:
+  void clear() { size_ = 0; }
+  char* data() const { return buf_.get(); }
+  size_t size() const { return size_; }
+  /// Appends `n` uninitialised bytes; returns where they start.
+  char* append(size_t n);
+
+ private:
+  std::unique_ptr<char[]> buf_;
+  size_t size_ = 0;
+  size_t capacity_ = 0;
+};
+
+struct RingState {
+  uint64_t head;
+  uint64_t tail;
+  uint64_t count;
+  uint64_t unfinished;
+};
+
+struct RingHeader;
+
+/// Test hook: a process that sets a crash point SIGKILLs itself when an operation reaches it.
+enum class CrashPoint : int {
+  None = 0,
+  HoldingLock = 1,         ///< right after taking the mutex in put/get
+  PutBeforeCommit = 2,     ///< frames copied in, journal written, not committed
+  PutAfterCommit = 3,      ///< committed, state not yet updated
+  GetBeforeCommit = 4,     ///< frames copied out, not committed
+  GetAfterCommit = 5,      ///< committed, state not yet updated
+};
+void set_crash_point(CrashPoint point);
+
+/// A view of a ring in mapped memory; copyable, owns nothing. Every method is thread- and
+/// process-safe; blocking methods must be called without the GIL.
+class Ring {
+ public:
+  static size_t header_bytes();
+  /// Bytes of memory a ring of `capacity` needs.
+  static size_t footprint(uint64_t capacity);
+  /// Bytes a frame of `payload` bytes takes in the ring.
+  static uint64_t frame_bytes(uint64_t payload) {
+    return FRAME_HEADER + ((payload + 7) & ~uint64_t{7});
+  }
+
+  /// Constructs a new ring in `memory` (`size` bytes), held once by this process.
+  static Ring create(void* memory, size_t size, const RingOptions& options);
+  /// Validates and views an existing ring (CorruptSegmentError if it is not one).
+  static Ring open(void* memory, size_t size);
+
+  /// Puts `n` frames, all or none, in order. Waits for room until `deadline` unless
+  /// `try_only` (then it never waits, not even for the mutex: Busy). Ok, Full, Closed,
+  /// Interrupted or Busy. ValueError (std::invalid_argument) if they can never fit.
+  Status put(const FrameIn* frames, size_t n, const Deadline& deadline,
+             const std::atomic<bool>* closed, bool try_only);
+  /// Takes up to `max_frames` frames (at least one) into `bytes` and `frames`. Waits until
+  /// `deadline` unless `try_only`. Ok, Empty, Closed, Interrupted or Busy. `closed` may be
+  /// null (drain: ignore the caller's closed state).
+  Status get(FrameBuffer& bytes, std::vector<FrameOut>& frames, size_t max_frames,
+             const Deadline& deadline, const std::atomic<bool>* closed, bool try_only);
+  /// One task done (JoinableQueue): Ok, or Empty when none is unfinished.
+  Status task_done();
+  /// Waits until no task is unfinished: Ok, Timeout, Closed or Interrupted.
+  Status join(const Deadline& deadline, const std::atomic<bool>* closed);
+  /// Wakes every waiter of this ring in every process (they re-check their predicates).
+  void wake_all();
+
+  struct Counts {
+    uint64_t count;
+    uint64_t used_bytes;
+    uint64_t unfinished;
+  };
+  Counts counts();
+
+  /// The doorbell flag of Note [SimpleQueue internals that the standard library uses] in
+  /// _queue_compat.py: true if the caller must ring (the flag was clear; it is set now).
+  bool doorbell_should_ring();
+  void doorbell_clear();
+
+  /// Note [Ring holders]: `n` more queue objects of this process hold the ring.
+  void add_holders(uint32_t n);
+  /// One queue object of this process lets go. Sets `*reaped` to the holders of dead
+  /// processes it removed (their block references are the caller's to drop); returns true if
+  /// no holder is left anywhere.
+  bool remove_holder(uint32_t* reaped);
+  /// A pickle of the queue is made / was opened (it carries one holder across).
+  void share_holder();
+  void adopt_shared_holder();
+  /// Holders of every process, dead or alive, plus those in flight.
+  int64_t holders();
+  struct HolderInfo {
+    int64_t pid;
+    uint32_t refs;
+    bool alive;
+  };
+  /// The processes in the holder table (diagnostics and tests).
+  std::vector<HolderInfo> holder_table();
+
+  uint64_t capacity() const;
+  uint64_t maxsize() const;
+  bool joinable() const;
+  uint64_t recoveries() const;
+  bool broken() const;
+
+ private:
+  explicit Ring(RingHeader* header);
+  enum class Lock { Ok, Busy, TimedOut };
+  Lock lock(const Deadline& deadline, bool try_only);
+  void unlock();
+  void repair();
+  bool chain_ok() const;
+  void commit(const RingState& next, CrashPoint after_commit);
+  void copy_in(uint64_t pos, const void* src, size_t n);
+  void copy_out(uint64_t pos, void* dst, size_t n) const;
+  struct Held;
+  /// Releases the mutex and waits on `cond` for one slice at most. Ok: the mutex is held
+  /// again, re-check the predicate; otherwise (Interrupted, `on_timeout`) it is not held.
+  Status wait_on(Held& held, SharedCondition& cond, const Deadline& deadline,
+                 Status on_timeout);
+
+  RingHeader* h_;
+  char* data_;
+};
+
+}  // namespace torch_mp_ext

@@ -1,0 +1,66 @@
+// The ring's shared layout and helpers, private to csrc/queue/ (Note [Ring layout]).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "queue/ring.h"
+
+namespace torch_mp_ext {
+
+struct RingHolder {
+  uint64_t key;   ///< (pid << 32 | start time) of a process holding the ring; 0: free slot
+  uint32_t refs;  ///< queue objects of that process holding it (each holds one block reference)
+  uint32_t foreign;  ///< another pid namespace: its liveness cannot be judged from here
+};
+
+struct RingHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t flags;
+  uint64_t capacity;
+  uint64_t maxsize;
+  uint64_t data_offset;
+  int64_t spin_ns;
+  uint64_t pidns;  ///< pid namespace of the creator: holders elsewhere are never judged
+  std::atomic<int64_t> inflight;   ///< holders travelling in pickles, not yet opened
+  std::atomic<int64_t> untracked;  ///< holders that found the table full (never reaped)
+  std::atomic<uint64_t> recoveries;
+  std::atomic<uint32_t> broken;
+  std::atomic<uint32_t> journal_valid;
+  std::atomic<uint32_t> doorbell;
+  uint32_t reserved;
+  SharedCondition not_empty;
+  SharedCondition not_full;
+  SharedCondition all_done;
+  alignas(64) RobustMutex mutex;
+  alignas(64) RingState state;
+  RingState journal;
+  RingHolder holders[MAX_RING_HOLDERS];  ///< guarded by the mutex (Note [Ring holders])
+};
+
+static_assert(std::atomic<int64_t>::is_always_lock_free, "shared atomics must be lock-free");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock-free");
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics must be lock-free");
+
+/// Store order is what makes a death at any instruction safe (Note [Ring commit]).
+inline void store_fence() { std::atomic_signal_fence(std::memory_order_seq_cst); }
+
+/// A holder process can still touch the ring: it exists, is the same process (start time),
+/// and is not a zombie (dead, only waiting for its parent to reap it).
+bool holder_alive(uint64_t key);
+
+/// Unlocks the ring's mutex on every exit path while `on`; wait_on() clears and sets it.
+struct Ring::Held {
+  Ring* ring;
+  bool on = true;
+  ~Held() {
+    if (on) ring->h_->mutex.unlock_noexcept();
+  }
+  void release() {
+    on = false;
+    ring->unlock();
+  }
+};
+
+}  // namespace torch_mp_ext

@@ -1,0 +1,90 @@
+#include "sync/condition.h"
+
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+
+#include "common/check.h"
+
+namespace torch_mp_ext {
+
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+int64_t now_ns() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+// Not FUTEX_PRIVATE_FLAG: the word is shared between processes. FUTEX_WAIT_BITSET without
+// FUTEX_CLOCK_REALTIME takes an absolute CLOCK_MONOTONIC deadline (Note [Monotonic time]).
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* deadline) {
+  return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, deadline, nullptr,
+                   FUTEX_BITSET_MATCH_ANY);
+}
+
+}  // namespace
+
+void SharedCondition::init() {
+  seq_.store(0, std::memory_order_relaxed);
+  waiters_.store(0, std::memory_order_relaxed);
+}
+
+SharedCondition::Woke SharedCondition::wait(uint32_t seen, const Deadline& deadline,
+                                            int64_t spin_ns) {
+  if (spin_ns > 0) {
+    // Spin, but yield the CPU every few checks: on an idle core this catches the next event
+    // without a futex round trip; on a busy one the peer that will post the event runs.
+    int64_t until = now_ns() + spin_ns;
+    for (int i = 1;; ++i) {
+      if (seq_.load(std::memory_order_acquire) != seen) return Woke::Event;
+      cpu_relax();
+      if ((i & 31) == 0) {
+        if (now_ns() >= until) break;
+        ::sched_yield();
+      }
+    }
+  }
+  if (deadline.expired()) return Woke::TimedOut;
+  waiters_.fetch_add(1, std::memory_order_seq_cst);
+  const timespec* until = deadline.infinite() ? nullptr : &deadline.when();
+  long rc = futex(&seq_, FUTEX_WAIT_BITSET, seen, until);
+  int err = rc == -1 ? errno : 0;
+  waiters_.fetch_sub(1, std::memory_order_seq_cst);
+  // The futex's failures are its answers (not TMX_SYSCHECK): EAGAIN means `seq` had already
+  // moved, ETIMEDOUT the deadline, EINTR a signal. Anything else is a real error.
+  switch (err) {
+    case 0:
+    case EAGAIN:
+      return Woke::Event;
+    case ETIMEDOUT:
+      return Woke::TimedOut;
+    case EINTR:
+      return Woke::Interrupted;
+    default:
+      throw SyscallError(err, "futex(FUTEX_WAIT_BITSET)", "queue condition");
+  }
+}
+
+void SharedCondition::notify(int count) {
+  seq_.fetch_add(1, std::memory_order_seq_cst);
+  if (waiters_.load(std::memory_order_seq_cst) == 0) return;
+  if (futex(&seq_, FUTEX_WAKE, static_cast<uint32_t>(count), nullptr) == -1) {
+    throw SyscallError(errno, "futex(FUTEX_WAKE)", "queue condition");
+  }
+}
+
+}  // namespace torch_mp_ext

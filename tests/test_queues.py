@@ -1,0 +1,352 @@
+"""torch_mp_ext.queues: the multiprocessing API, its errors, real processes, zero-copy items."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import pickle
+import queue
+import threading
+import time
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+import _queue_workers as workers
+import torch_mp_ext as mp
+from torch_mp_ext import _C
+from torch_mp_ext.errors import QueueClosedError
+from torch_mp_ext.queues import JoinableQueue, Queue, SimpleQueue
+
+T = 30  # every blocking call in these tests has a timeout
+
+
+def test_contexts_return_our_queues(start_method):
+    ctx = mp.get_context(start_method)
+    assert type(ctx.Queue()) is Queue
+    assert type(ctx.JoinableQueue(3)) is JoinableQueue
+    assert type(ctx.SimpleQueue()) is SimpleQueue
+    assert type(mp.Queue()) is Queue and type(mp.SimpleQueue()) is SimpleQueue
+
+
+def test_put_get_and_the_stdlib_exceptions():
+    q = Queue(maxsize=2)
+    assert q.empty() and not q.full() and q.qsize() == 0
+    q.put(1)
+    q.put_nowait((2, "two"))
+    assert q.full() and q.qsize() == 2
+    with pytest.raises(queue.Full):
+        q.put_nowait(3)
+    t0 = time.monotonic()
+    with pytest.raises(queue.Full):
+        q.put(3, timeout=0.2)
+    assert 0.15 < time.monotonic() - t0 < 5
+    with pytest.raises(queue.Full):
+        q.put(3, block=False, timeout=10)  # block=False ignores the timeout, as in the stdlib
+    assert q.get() == 1 and q.get_nowait() == (2, "two")
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    t0 = time.monotonic()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.2)
+    assert 0.15 < time.monotonic() - t0 < 5
+    with pytest.raises(queue.Empty):
+        q.get(timeout=-1)  # negative: do not wait, as multiprocessing does
+
+
+def test_timeout_none_blocks_until_an_item_arrives():
+    q = Queue()
+    threading.Timer(0.3, q.put, args=("late",)).start()
+    t0 = time.monotonic()
+    assert q.get() == "late"  # timeout=None: no hidden default timeout (faster-fifo's 10 s)
+    assert time.monotonic() - t0 >= 0.25
+
+
+def test_items_of_every_kind_round_trip():
+    q = Queue()
+    items = [None, True, 7, 2**100, 1.5, "text", b"raw bytes", bytearray(b"ba"), (1, (2, 3)),
+             [1, [2]], {"k": {1, 2}}, frozenset({3}), np.float32(2.5), complex(1, 2),
+             Counter("aab"), b"", "", ()]
+    for item in items:
+        q.put(item)
+    assert [q.get(timeout=T) for _ in items] == items
+    q.put_many(items)
+    assert q.get_many(100, timeout=T) == items
+
+
+def test_put_many_get_many():
+    q = Queue(maxsize=10)
+    q.put_many(range(4))
+    q.put_many([])  # nothing to do
+    assert q.get_many(3) == [0, 1, 2]
+    assert q.get_many(10) == [3]
+    with pytest.raises(queue.Empty):
+        q.get_many(5, timeout=0.1)
+    with pytest.raises(ValueError, match="max_items"):
+        q.get_many(0)
+    q.put_many(range(8))
+    with pytest.raises(queue.Full):
+        q.put_many(range(5), block=False)  # all or nothing
+    assert q.qsize() == 8
+    with pytest.raises(ValueError, match="maxsize"):
+        q.put_many(range(11))
+
+
+def test_unpicklable_item_raises_at_the_call_site_and_the_queue_stays_usable():
+    q = Queue()
+    with pytest.raises(TypeError, match="pickle") as info:
+        q.put({"lock": threading.Lock()})
+    if hasattr(info.value, "__notes__"):
+        assert "item of type dict" in info.value.__notes__[0]
+    with pytest.raises(Exception) as info:
+        q.put_many([1, lambda: None])  # nothing of the batch is put
+    assert q.empty()
+    # torch's own refusal comes through unchanged (test_non_leaf_variable_sharing)
+    var = torch.arange(1.0, 26).view(5, 5).requires_grad_() * 2
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        q.put(var)
+    q.put("fine")
+    assert q.get(timeout=T) == "fine"
+
+
+def test_oversize_item_raises_value_error_at_once():
+    q = Queue(max_bytes=1024)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="max_bytes"):
+        q.put(b"x" * 2000)
+    with pytest.raises(ValueError, match="max_bytes"):
+        q.put(list(range(1000)))
+    with pytest.raises(ValueError):
+        q.put_many([b"x" * 600, b"y" * 600])  # each fits, the batch never can
+    assert time.monotonic() - t0 < 1.0  # never a hang
+    assert q.max_bytes == 1024
+    q.put(b"x" * 1000)
+    assert q.get(timeout=T) == b"x" * 1000
+    with pytest.raises(ValueError, match="max_bytes"):
+        Queue(max_bytes=0)
+
+
+def test_tensors_and_arrays_count_for_a_handle_not_their_size():
+    q = Queue(max_bytes=4096)
+    big = torch.zeros(1_000_000)  # 4 MB: pickled as a block handle
+    q.put(big)
+    out = q.get(timeout=T)
+    assert out.untyped_storage().data_ptr() == big.untyped_storage().data_ptr()
+
+
+def test_closed_queue_behaviour():
+    q = Queue()
+    with pytest.raises(AssertionError, match="not closed"):
+        q.join_thread()
+    q.cancel_join_thread()
+    q.put(1)
+    q.close()
+    q.close()  # idempotent
+    q.join_thread()
+    for call in (lambda: q.put(2), lambda: q.get(), lambda: q.get_nowait(), lambda: q.qsize(),
+                 lambda: q.put_many([1]), lambda: q.get_many(1), lambda: pickle.dumps(q)):
+        with pytest.raises(ValueError, match="is closed") as info:
+            call()
+        assert isinstance(info.value, QueueClosedError)
+
+
+def test_close_wakes_a_thread_blocked_in_get():
+    q = Queue()
+    errors = []
+
+    def blocked():
+        try:
+            q.get(timeout=T)
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    q.close()
+    t.join(T)
+    assert len(errors) == 1 and isinstance(errors[0], QueueClosedError)
+    assert time.monotonic() - t0 < 2
+
+
+def test_joinable_queue_semantics():
+    q = JoinableQueue()
+    with pytest.raises(ValueError, match="too many"):
+        q.task_done()
+    q.put("a")
+    q.put_many(["b", "c"])
+    assert q.join(timeout=0.1) is False
+    for _ in range(3):
+        q.get(timeout=T)
+        q.task_done()
+    assert q.join(timeout=T) is True
+    with pytest.raises(ValueError, match="too many"):
+        q.task_done()
+
+
+def test_joinable_queue_across_processes():
+    ctx = mp.get_context("fork")
+    q, results = ctx.JoinableQueue(), ctx.Queue()
+    procs = [ctx.Process(target=workers.joinable_worker, args=(q, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    q.put_many(range(10))
+    assert q.join(timeout=T)
+    assert sorted(results.get(timeout=T) for _ in range(10)) == [i * 2 for i in range(10)]
+    q.put_many([None, None])
+    for p in procs:
+        p.join(T)
+    assert q.join(timeout=T)
+
+
+def test_simple_queue_api_and_doorbell():
+    q = SimpleQueue()
+    assert q.empty()
+    ready = multiprocessing.connection.wait([q._reader], timeout=0.05)
+    assert ready == []
+    q.put({"a": 1})
+    assert multiprocessing.connection.wait([q._reader], timeout=T) == [q._reader]
+    assert q._reader.poll() and not q.empty()
+    assert q._reader.recv() == {"a": 1}
+    assert multiprocessing.connection.wait([q._reader], timeout=0.05) == []
+    q._writer.send(5)
+    assert q.get() == 5
+    q.close()
+    with pytest.raises(ValueError):
+        q.get()
+
+
+def test_simple_queue_doorbell_never_misses_an_item_from_other_processes():
+    """connection.wait() on _reader (what ProcessPoolExecutor's manager thread does) wakes for
+    every item put by any process: a lost ring would stall this loop."""
+    ctx = mp.get_context("fork")
+    sq = ctx.SimpleQueue()
+    producers = [ctx.Process(target=workers.put_simple, args=(sq, i, 3000)) for i in range(3)]
+    for p in producers:
+        p.start()
+    got = 0
+    while got < 9000:
+        assert multiprocessing.connection.wait([sq._reader], timeout=10) == [sq._reader], got
+        sq._reader.recv()
+        got += 1
+    for p in producers:
+        p.join(T)
+    assert not sq._reader.poll()
+
+
+def test_round_trip_through_child_processes(start_method):
+    ctx = mp.get_context(start_method)
+    q_in, q_out = ctx.Queue(), ctx.SimpleQueue()
+    p = ctx.Process(target=workers.echo_simple, args=(q_in, q_out, 3))
+    p.start()
+    items = [1, ("a", b"b"), torch.arange(4)]
+    q_in.put_many(items)
+    got = []
+    for _ in items:  # the doorbell rings across processes: wait() sees the child's puts
+        assert multiprocessing.connection.wait([q_out._reader], timeout=T) == [q_out._reader]
+        got.append(q_out._reader.recv())
+    p.join(T)
+    assert p.exitcode == 0
+    assert got[:2] == items[:2] and torch.equal(got[2], items[2])
+
+
+def test_many_producers_and_consumers_lose_and_duplicate_nothing():
+    """10^5 items, 4 producers (2 one by one, 2 in batches) to 3 consumers (1 in batches)."""
+    ctx = mp.get_context("fork")
+    q, out = ctx.Queue(), ctx.Queue(max_bytes=64 << 20)
+    counts = [25_000] * 4
+    producers = [ctx.Process(target=workers.produce_sequence, args=(q, i, n, 64 if i >= 2 else 0))
+                 for i, n in enumerate(counts)]
+    consumers = [ctx.Process(target=workers.consume_until_none, args=(q, out, 32 if i == 0 else 0))
+                 for i in range(3)]
+    for p in producers + consumers:
+        p.start()
+    for p in producers:
+        p.join(120)
+    q.put_many([None] * 3)
+    received = [out.get(timeout=120) for _ in consumers]
+    for p in consumers:
+        p.join(T)
+    everything = [item for got in received for item in got]
+    assert len(everything) == sum(counts)
+    assert len(set(everything)) == sum(counts)  # no duplicate
+    for got in received:  # each consumer saw each producer's items in order
+        last = defaultdict(lambda: -1)
+        for producer, i in got:
+            assert i > last[producer]
+            last[producer] = i
+
+
+def test_tensors_arrays_and_nested_containers_are_zero_copy(start_method):
+    ctx = mp.get_context(start_method)
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    base = torch.zeros(10)
+    item = {"tensor": torch.zeros(3, 3), "view": base[2:5],
+            "nested": [torch.ones(4), {"array": np.zeros(100_000, dtype=np.float32)}]}
+    p = ctx.Process(target=workers.mutate_received, args=(q_in, q_out))
+    p.start()
+    q_in.put(item)
+    assert q_out.get(timeout=T)[0] == "done"
+    # The child wrote into the very memory the parent sees: nothing was copied.
+    assert torch.equal(item["tensor"], torch.ones(3, 3))
+    assert torch.equal(item["nested"][0], torch.full((4,), 7.0))
+    assert torch.equal(base, torch.tensor([0, 0, -1, -1, -1, 0, 0, 0, 0, 0.0]))
+    q_in.put("release")
+    p.join(T)
+    assert p.exitcode == 0
+    # The array was not born in shared memory: it was copied once, into a block the child
+    # mutated; the parent's own array is untouched (numpy arrays cannot be moved in place).
+    assert item["nested"][1]["array"].sum() == 0
+
+
+def test_a_tensor_never_taken_is_freed_with_the_queue():
+    def live_blocks():
+        gc.collect()
+        return _C.arena_stats()["live_blocks"]
+
+    before = live_blocks()
+    q = Queue()
+    t = mp.zeros(1000)
+    q.put([t, {"again": t}])
+    q.put(np.ones(100_000))
+    del t
+    assert live_blocks() > before  # the frames hold references
+    del q
+    assert live_blocks() == before
+
+
+def test_items_put_by_exited_children_are_freed_by_the_last_holder():
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=workers.put_tensors_and_exit, args=(q, 5))
+    p.start()
+    p.join(T)
+    assert p.exitcode == 0 and q.qsize() == 5
+    assert q._ring.holders == 1  # the child stopped holding at exit
+    del q  # the tensors (allocated by the child, in its segments) are released by us
+
+
+def test_queue_passed_to_a_child_that_closes_it(start_method):
+    ctx = mp.get_context(start_method)
+    q = ctx.Queue()
+    p = ctx.Process(target=workers.put_then_close, args=(q, 3))
+    p.start()
+    assert [q.get(timeout=T) for _ in range(3)] == [0, 1, 2]
+    p.join(T)
+    assert p.exitcode == 0
+    assert q._ring.holders == 1
+
+
+def test_a_queue_can_travel_through_a_queue():
+    outer, inner = Queue(), Queue()
+    outer.put(inner)
+    copy = outer.get(timeout=T)
+    assert inner._ring.holders == 2
+    copy.put("via copy")
+    assert inner.get(timeout=T) == "via copy"
+    del copy
+    gc.collect()
+    assert inner._ring.holders == 1
