@@ -18,7 +18,6 @@ import signal
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 

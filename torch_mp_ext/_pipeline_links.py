@@ -242,14 +242,14 @@ class Inlet:
                 self._idle()
                 continue
             if isinstance(obj, _Control):
-                if obj is END:
-                    self._ends_left -= 1
-                    if self._ends_left <= 0 or len(sources) > 1:
-                        self.done = True
-                        raise StopIteration
-                    continue
-                self.done = True
-                raise Upstream(obj)
+                if isinstance(obj, Failure):
+                    self.done = True
+                    raise Upstream(obj)
+                self._ends_left -= 1  # END
+                if self._ends_left <= 0 or len(sources) > 1:
+                    self.done = True
+                    raise StopIteration
+                continue
             self.count += 1
             return obj
 

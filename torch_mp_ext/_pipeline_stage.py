@@ -149,8 +149,8 @@ def run(task: Task) -> None:
             raise Stop
 
     control[task.slot] = RUNNING
-    inlet = Inlet(*task.inputs, idle) if task.inputs is not None else None
-    outlet = Outlet(*task.outputs, idle)
+    inlet = Inlet(task.inputs[0], task.inputs[1], idle) if task.inputs is not None else None
+    outlet = Outlet(task.outputs[0], task.outputs[1], idle)
     status = _serve(task, inlet, outlet)
     del inlet, outlet
     control[task.slot] = status

@@ -28,14 +28,7 @@ with one worker per stage about ``(stages + 1) * (buffer_size + 1)`` items, and 
 tests/test_pipeline.py): a block freed by its receiver returns to its owner's
 pool and becomes that owner's next item. Workers multiply their stage's share; the arena's
 cache of free blocks (``TORCH_MP_EXT_ARENA_CACHE_BYTES``) bounds what items of changing sizes
-leave behind.
-
-Note [Stopping a pipeline]
-Iteration ending, ``close()``, ``with``, garbage collection, interpreter exit, a stage's
-failure and Ctrl-C all end in one shutdown (Note [Stage process lifecycle] in
-``_pipeline_stage.py``): every process stops at its next item, what is left in the queues is
-discarded with the block references it holds, and the processes are joined. A process still
-busy after ``SHUTDOWN_GRACE_S`` (a stage stuck in its own code) is terminated, then killed.
+leave behind. How every process stops: Note [Stopping a pipeline] in ``_pipeline_run.py``.
 """
 
 from __future__ import annotations
@@ -45,19 +38,12 @@ import inspect
 import logging
 import multiprocessing
 import os
-import threading
-import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
-import numpy as np
-
-from . import _exits
-from ._pipeline_links import Inlet, Outlet, Role, Stop, Upstream, discard
-from ._pipeline_stage import EXIT, FINISHED, NEW, REPORTED, STOPPING, Task, feed, run
-from .arena import zeros_array
-from .errors import PipelineError, QueueClosedError
-from .queues import Queue
+from ._pipeline_links import Stop, Upstream
+from ._pipeline_run import Group, Running, launch, shutdown
+from .errors import QueueClosedError
 from .spawn import _launch_plan
 
 __all__ = ["pipeline", "stage", "Pipeline", "Stage", "SHUTDOWN_GRACE_S"]
@@ -95,85 +81,6 @@ class _Spec:
         self.buffer_size = fn.buffer_size if isinstance(fn, Stage) else buffer_size
 
 
-class _Running:
-    """A started pipeline's processes, queues and control block; what shutdown needs (it
-    holds no reference to the :class:`Pipeline`, so the pipeline can be collected)."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.processes: List[Tuple[Any, Role, int]] = []
-        self.pids: Tuple[int, ...] = ()
-        self.queues: List[Queue] = []
-        self.control: Any = None
-        self.thread: Optional[threading.Thread] = None
-        self.inlet: Optional[Inlet] = None
-        self.oom_before = _exits.oom_kill_counts()
-        self.closed = False
-
-    def check(self) -> None:
-        """The consumer's idle check: raises for a stage process that died."""
-        if self.closed:  # by close() from another thread
-            raise Stop
-        for process, role, slot in self.processes:
-            code = process.exitcode
-            if code is None or self.control[slot] == REPORTED:
-                continue
-            reason, explanation = _exits.explain_exit(code, oom_before=self.oom_before)
-            if code == 0 or (self.control[slot] == NEW and code > 0):
-                explanation = (
-                    "It exited before the end of its stream. "
-                    + ("It never started: its function or the pipeline's queues could not be "
-                       "unpickled there (see its stderr; define stage functions at the top "
-                       "level of a module)." if self.control[slot] == NEW else
-                       "Did it call os._exit()?"))
-            message = f"{role.describe(process.pid)} {_exits.summarize(reason, code)}"
-            raise PipelineError(
-                message + (f". {explanation}" if explanation else ""), stage=role.name,
-                position=role.position, worker=role.worker, pid=process.pid, exit_code=code,
-                signal_name=_exits.signal_name(-code) if code < 0 else None)
-
-    def stopping(self) -> None:
-        if self.control[0]:
-            raise Stop
-
-
-def _shutdown(state: _Running, grace: float) -> None:
-    """Stops and joins everything (Note [Stopping a pipeline]); safe to call twice."""
-    if state.closed or os.getpid() != state.pid:  # a forked child's copy owns nothing
-        return
-    state.closed = True
-    control = state.control
-    if control is not None:
-        control[0] = STOPPING
-    deadline = time.monotonic() + grace
-    while control is not None and time.monotonic() < deadline and any(
-            p.exitcode is None and control[slot] < FINISHED for p, _, slot in state.processes):
-        time.sleep(0.002)
-    if state.thread is not None and state.thread.ident is not None:
-        state.thread.join(max(deadline - time.monotonic(), 0.0))
-        if state.thread.is_alive():
-            log.warning("a pipeline's source iterator has not returned within %.1f s of the "
-                        "shutdown; its thread stops at its next item", grace)
-    discard(state.queues)
-    if control is not None:
-        control[0] = EXIT
-    for process, role, _ in state.processes:
-        process.join(max(deadline - time.monotonic(), 0.0) + 1.0)
-        if process.exitcode is None:
-            log.warning("%s did not stop within %.1f s; terminating it",
-                        role.describe(process.pid), grace)
-            process.terminate()
-            process.join(1.0)
-            if process.exitcode is None:
-                process.kill()
-                process.join()
-        process.close()  # its sentinel fd
-    for q in state.queues:
-        q.close()  # the last holder drops what is left (Note [Queue lifetime])
-    state.inlet = None
-    state.control = None
-
-
 class Pipeline(Iterator[Any]):
     """An iterator over the results of stages running in processes (see :func:`pipeline`).
 
@@ -193,7 +100,7 @@ class Pipeline(Iterator[Any]):
             raise ValueError(f"start_method must be None or one of {methods}, got "
                              f"{start_method!r}")
         self._start_method = start_method
-        self._state: Optional[_Running] = None
+        self._state: Optional[Running] = None
         self._absorbed = False
         self._closed = False
 
@@ -254,24 +161,24 @@ class Pipeline(Iterator[Any]):
                         self._ordered, start_method or self._start_method)
 
     # -- starting --------------------------------------------------------------------------
-    def _start(self) -> _Running:
+    def _start(self) -> Running:
         if self._absorbed:
             raise RuntimeError(f"{self!r} was passed to another stage, which iterates it: "
                                "iterate the outermost call's result instead")
         method = self._start_method or multiprocessing.get_start_method()
         ctx, _, parent = _launch_plan(method)
-        state = _Running()
+        state = Running()
         self._state = state
-        self._finalizer = weakref.finalize(self, _shutdown, state, SHUTDOWN_GRACE_S)
+        self._finalizer = weakref.finalize(self, shutdown, state, SHUTDOWN_GRACE_S)
         try:
-            self._launch(state, ctx, parent)
+            launch(state, self._groups(), self._ordered, ctx, parent)
         except BaseException:
             self.close()
             raise
         log.debug("started %r: pids %s", self, self.pids)
         return state
 
-    def _groups(self) -> List[Tuple[str, Any, str, int, int]]:
+    def _groups(self) -> List[Group]:
         """(kind, fn, name, processes, buffer_size) for the source, each stage, the consumer."""
         source = self._source
         local = not callable(source) or hasattr(source, "__iter__")
@@ -283,58 +190,6 @@ class Pipeline(Iterator[Any]):
                            spec.buffer_size or self._buffer_size))
         groups.append(("consumer", None, "consumer", 1, 0))
         return groups
-
-    def _launch(self, state: _Running, ctx: Any, parent: tuple) -> None:
-        groups = self._groups()
-        nprocs = sum(g[3] for g in groups if g[0] not in ("local", "consumer"))
-        state.control = control = zeros_array(1 + nprocs, np.uint8)
-        # Note [Pipeline links]: for each link, each producer's (targets, end_copies) and
-        # each consumer's (sources, ends).
-        writers: List[List[tuple]] = []
-        readers: List[List[tuple]] = []
-        for (_, _, _, n_p, size), (_, _, _, n_c, _) in zip(groups, groups[1:]):
-            lanes = n_p == n_c or self._ordered
-            qs = [Queue(size) for _ in range(max(n_p, n_c) if lanes else 1)]
-            state.queues += qs
-            if n_p == n_c:
-                writers.append([([q], 1) for q in qs])
-                readers.append([([q], 1) for q in qs])
-            elif n_p == 1:
-                writers.append([(qs, 1 if lanes else n_c)])
-                readers.append([([q], 1) for q in qs] if lanes else [(qs, 1)] * n_c)
-            else:
-                writers.append([([q], 1) for q in qs] if lanes else [(qs, 1)] * n_p)
-                readers.append([(qs, 1 if lanes else n_p)])
-        slot = 0
-        for position, (kind, fn, name, count, _) in enumerate(groups[:-1]):
-            if kind == "local":
-                role = Role(name, 0, local=True)
-                outlet = Outlet(*writers[0][0], state.stopping)
-                state.thread = threading.Thread(target=feed, args=(fn, role, outlet),
-                                                name="torch_mp_ext-pipeline-source",
-                                                daemon=True)
-                continue
-            for worker in range(count):
-                slot += 1
-                role = Role(name, position, worker, count)
-                index = (worker, count) if self._ordered or count == 1 else None
-                task = Task(role, kind, fn, readers[position - 1][worker] if position else None,
-                            writers[position][worker], control, slot, parent, index)
-                process = ctx.Process(target=run, args=(task,), daemon=False,
-                                      name=f"torch_mp_ext-pipeline-{position}-{worker}")
-                try:
-                    process.start()
-                except Exception as exc:
-                    raise type(exc)(
-                        f"could not start {role.describe(None)} with start method "
-                        f"{ctx.get_start_method()!r}: {exc}. Under spawn and forkserver a "
-                        "stage is pickled: define it (and its arguments) at the top level "
-                        "of a module, or use start_method='fork'") from exc
-                state.processes.append((process, role, slot))
-                state.pids += (process.pid,)
-        state.inlet = Inlet(*readers[-1][0], state.check)
-        if state.thread is not None:
-            state.thread.start()  # after every fork: a forked child copies no running thread
 
 
 def pipeline(source: Any, *stages: Callable[..., Any], buffer_size: int = 3, workers: int = 1,
@@ -380,6 +235,8 @@ class Stage:
                  start_method: Optional[str]) -> None:
         functools.update_wrapper(self, fn)
         self.__wrapped_stage__ = fn
+        self._module: str = fn.__module__
+        self._qualname: str = _name(fn)
         self.buffer_size = _positive("buffer_size", buffer_size)
         self.start_method = start_method
 
@@ -394,24 +251,24 @@ class Stage:
         if isinstance(items, Pipeline) and items._state is None and not items._absorbed:
             return items._then(spec, self.start_method)
         if not (callable(items) or hasattr(items, "__iter__")):
-            raise TypeError(f"{self.__qualname__}() takes an iterable or a function returning "
+            raise TypeError(f"{self._qualname}() takes an iterable or a function returning "
                             f"one, got {type(items).__qualname__}")
         return Pipeline(items, [spec], self.buffer_size, start_method=self.start_method)
 
     def __repr__(self) -> str:
-        return f"<torch_mp_ext.Stage {self.__qualname__} buffer_size={self.buffer_size}>"
+        return f"<torch_mp_ext.Stage {self._qualname} buffer_size={self.buffer_size}>"
 
     def __reduce__(self) -> Any:
         # By reference, as functions are: the module attribute is this object, not its function.
-        found: Any = _find_stage(self.__module__, self.__qualname__, check=False)
+        found: Any = _find_stage(self._module, self._qualname, check=False)
         if found is not self:
             import pickle
 
             raise pickle.PicklingError(
-                f"stage {self.__qualname__!r} cannot be sent to a spawn or forkserver process: "
-                f"it is not the top-level name {self.__module__}.{self.__qualname__}; define "
-                "it at the top level of a module, or use start_method='fork'")
-        return (_find_stage, (self.__module__, self.__qualname__))
+                f"stage {self._qualname!r} cannot be sent to a spawn or forkserver process: "
+                f"it is not the top-level name {self._module}.{self._qualname}; define it at "
+                "the top level of a module, or use start_method='fork'")
+        return (_find_stage, (self._module, self._qualname))
 
 
 def _find_stage(module: str, qualname: str, check: bool = True) -> Any:
