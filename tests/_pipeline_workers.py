@@ -155,3 +155,41 @@ def megabyte_arrays(n=300):
     """n arrays of exactly 1 MiB (each computed here, so born in a block)."""
     for i in range(n):
         yield np.full((128, 1024), float(i))
+
+
+# ---- ArrayQueue ---------------------------------------------------------------------------
+
+
+def aq_produce(aq, n, in_place):
+    """Puts n arrays (filled with i) and a final "done": copied, or made in a free block."""
+    for i in range(n):
+        if in_place:
+            a = aq.new_array(timeout=30)
+            a[...] = i
+        else:
+            a = np.full(aq.shape, float(i))
+        aq.put(a, timeout=30)
+        del a
+    aq.put("done", timeout=30)
+
+
+def aq_consume(aq, results):
+    """Gets until "done", sending back (first value, still a shared view) for each array."""
+    while True:
+        item = aq.get(timeout=30)
+        if isinstance(item, str):
+            results.put(item)
+            return
+        results.put((float(item.flat[0]), mp.is_shared(item)))
+        del item
+
+
+def aq_stage(items):
+    """A pipeline stage whose results travel through an ArrayQueue made in this process."""
+    aq = mp.ArrayQueue(np.zeros((64, 1024)), 2)
+    for x in items:
+        out = aq.new_array(timeout=30)
+        np.multiply(x, 2, out=out)
+        aq.put(out, timeout=30)
+        del out
+        yield float(aq.get(timeout=30)[0, 0])
