@@ -356,3 +356,45 @@ def test_shared_memory_stays_bounded_on_a_long_stream():
     print(f"peak shared memory: {peak} items of 1 MiB (bound {bound}; "
           f"{(stages + 1) * (buffer_size + 1)} = (stages + 1) * (buffer_size + 1))")
     assert 0 < peak <= bound  # 300 items went through
+
+
+CTRL_C_SCRIPT = """
+import sys, time
+sys.path[:0] = {paths!r}
+import _pipeline_workers as w
+import torch_mp_ext as mp
+
+p = mp.pipeline(w.forever, w.square, w.plus_one, workers=2)
+next(p)
+print(" ".join(map(str, p.pids)), flush=True)
+try:
+    for _ in p:
+        time.sleep(0.01)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_in_a_terminal_stops_every_process():
+    # A terminal sends SIGINT to the whole foreground process group: the stages ignore it and
+    # the consumer, interrupted, stops them all. In a fresh interpreter, its own session.
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(tests)
+    script = CTRL_C_SCRIPT.format(paths=[tests, root])
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 4
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=T)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(T)
+    assert "interrupted" in out and proc.returncode == 0
+    assert gone(pids)

@@ -140,14 +140,15 @@ class ArrayQueue:
     def _bytes(self, index: int) -> np.ndarray:
         view = self._u8.get(index)
         if view is None:
-            view = np.frombuffer(self._blocks[index], np.uint8, self._nbytes)
+            view = np.frombuffer(self._blocks[index], np.uint8,  # type: ignore[call-overload]
+                                 self._nbytes)
             self._u8[index] = view
         return view
 
     def _shaped(self, u8: np.ndarray) -> Array:
         if self._torch_dtype is not None:
             return torch.from_numpy(u8).view(self._torch_dtype).view(self._shape)
-        return u8.view(self._np_dtype).reshape(self._shape)
+        return u8.view(self._np_dtype).reshape(self._shape)  # type: ignore[arg-type]
 
     def _copy_into(self, index: int, item: Array) -> None:
         target = self._shaped(self._bytes(index))
