@@ -177,7 +177,9 @@ class Outlet:
                 raise
 
     def reserve(self) -> None:
-        """Waits until the queue the next item goes to has room (Note [Produce into room])."""
+        """Waits until the queue the next item goes to has room (Note [Produce into room]);
+        first of all, runs the ``idle`` check: a stopped stage makes no further item."""
+        self._idle()
         targets = self._targets
         q = targets[0] if len(targets) == 1 else targets[self.count % len(targets)]
         if not q.full():

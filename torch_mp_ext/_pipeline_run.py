@@ -112,6 +112,18 @@ def shutdown(state: Running, grace: float) -> None:
     state.control = None
 
 
+def _explain_start_failure(exc: Exception, role: Role, method: str) -> None:
+    """Adds what failed, and for pickling errors the fix, to a ``Process.start`` error."""
+    note = f"while starting {role.describe(None)} with start method {method!r}"
+    if method != "fork":
+        note += (": under spawn and forkserver a stage is pickled, so define it (and its "
+                 "arguments) at the top level of a module, or use start_method='fork'")
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]} ({note})",) + exc.args[1:]
+
+
 def launch(state: Running, groups: List[Group], ordered: bool, ctx: Any, parent: tuple) -> None:
     """Creates the queues and control block, starts the processes and the feeder thread.
 
@@ -162,11 +174,8 @@ def launch(state: Running, groups: List[Group], ordered: bool, ctx: Any, parent:
             try:
                 process.start()
             except Exception as exc:
-                raise type(exc)(
-                    f"could not start {role.describe(None)} with start method "
-                    f"{ctx.get_start_method()!r}: {exc}. Under spawn and forkserver a "
-                    "stage is pickled: define it (and its arguments) at the top level "
-                    "of a module, or use start_method='fork'") from exc
+                _explain_start_failure(exc, role, ctx.get_start_method())
+                raise
             state.processes.append((process, role, slot))
             state.pids += (process.pid,)
     state.inlet = Inlet(readers[-1][0][0], readers[-1][0][1], state.check)

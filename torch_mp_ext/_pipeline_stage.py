@@ -81,14 +81,18 @@ class Task:
         self.control, self.slot, self.parent, self.index = control, slot, parent, index
 
 
+def _items(n: int) -> str:
+    return f"{n} item" if n == 1 else f"{n} items"
+
+
 def _detail(task: Task, inlet: Optional[Inlet], produced: int) -> str:
     if task.kind == "source":
-        return f", after yielding {produced} items"
+        return f", after yielding {_items(produced)}"
     received = inlet.count if inlet is not None else 0
     if task.kind == "each" and task.index is not None and received:
         first, step = task.index
         return f", on item {first + step * (received - 1)} of the stream (counting from 0)"
-    return f", after receiving {received} items"
+    return f", after receiving {_items(received)}"
 
 
 def _serve(task: Task, inlet: Optional[Inlet], outlet: Outlet) -> int:
@@ -188,7 +192,7 @@ def feed(source: Iterable[Any], role: Role, outlet: Outlet) -> None:
     except Stop:
         return
     except BaseException as exc:  # noqa: BLE001 (the source's failure goes downstream)
-        failure = Failure.capture(exc, role, os.getpid(), f", after yielding {produced} items")
+        failure = Failure.capture(exc, role, os.getpid(), f", after yielding {_items(produced)}")
         del exc
         try:
             outlet.fail(failure)
