@@ -241,6 +241,22 @@ def test_a_stuck_stage_is_terminated_after_the_grace_period(monkeypatch):
     assert gone(p.pids)
 
 
+def test_a_second_ctrl_c_during_the_shutdown_kills_what_is_left():
+    # The first Ctrl-C starts the shutdown, which waits for a stage stuck in its own code;
+    # the second interrupts that wait: the stuck stage is killed, not left behind.
+    p = mp.pipeline(w.count, w.sleep_forever)
+    pids: tuple = ()
+    with deadline():
+        for delay in (0.5, 1.5):
+            threading.Timer(delay, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            pids = p.pids
+            next(p)
+        pids = p.pids
+        time.sleep(1.5)  # the second interrupt may land here if the first one's shutdown
+    assert len(pids) == 2 and gone(pids, timeout=5.0)
+
+
 def test_file_system_strategy_leaves_no_names():
     before = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_system")

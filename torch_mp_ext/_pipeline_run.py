@@ -76,10 +76,24 @@ class Running:
 
 
 def shutdown(state: Running, grace: float) -> None:
-    """Stops and joins everything (Note [Stopping a pipeline]); safe to call twice."""
+    """Stops and joins everything (Note [Stopping a pipeline]); safe to call twice. Interrupted
+    (a second Ctrl-C), it kills what is left before the interruption goes on."""
     if state.closed or os.getpid() != state.pid:  # a forked child's copy owns nothing
         return
     state.closed = True
+    try:
+        _stop(state, grace)
+    except BaseException:
+        for process, _, _ in state.processes:
+            if process._popen is not None and process.exitcode is None:
+                process.kill()
+                process.join()
+        for q in state.queues:
+            q.close()
+        raise
+
+
+def _stop(state: Running, grace: float) -> None:
     control = state.control
     if control is not None:
         control[0] = STOPPING
