@@ -19,7 +19,7 @@ items behind it (they wait in their lanes' queues), which is what keeps order an
 bounded without a reorder buffer; unordered mode lets free workers take the next item.
 
 Note [Pickle once, wait in slices]
-A producer pickles an item once (a fresh array is copied into a block then), then offers the
+A producer pickles an item once (an array not yet in a block is copied into one then), offers the
 frame to the ring in slices of ``POLL_S``; between slices it runs its ``idle`` check, which
 raises to abandon the put (a stop request, a dead stage). An abandoned frame's block
 references are released (Note [Failed puts] in ``queues.py``). Readers wait the same way.
