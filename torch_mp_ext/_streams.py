@@ -1,0 +1,108 @@
+"""The caller's side of a ``num_returns="streaming"`` task: what its RefGenerator reads.
+
+The pool's collector thread pushes each value as the worker's message arrives; the consumer's
+``next()`` takes them in order, sends the worker a credit when back-pressure held it
+(Note [Task protocol] in ``tasks.py``), and raises the task's exception where the task
+raised it. Everything here runs with ``STATE`` held.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Optional
+
+from . import _task_worker as W
+from ._refs import STATE, Ref, Value, _Entry
+from .errors import GetTimeoutError, TaskCancelledError
+
+__all__ = ["Stream"]
+
+
+class Stream:
+    """Values of one streaming task, between the collector thread and the consumer."""
+
+    __slots__ = ("task", "buffer", "consumed", "error", "cancelled", "waiting", "finished")
+
+    def __init__(self, task: Any) -> None:
+        self.task = task
+        self.buffer: deque = deque()
+        self.consumed = 0
+        self.error: Optional[Value] = None
+        self.cancelled = False
+        self.waiting = False  # the worker is held by back-pressure
+        self.finished = False  # the task ended in its worker
+
+    def describe(self) -> str:
+        state = "cancelled" if self.cancelled else "ended" if self.finished else "running"
+        return (f"task {self.task.tid} ({self.task.label}), {state}, {self.consumed} taken, "
+                f"{len(self.buffer)} buffered")
+
+    def push(self, value: Value) -> None:
+        if not self.cancelled:
+            self.buffer.append(value)
+
+    def finish(self, error: Optional[Value], cancelled: bool) -> None:
+        self.finished = True
+        self.waiting = False
+        if cancelled:
+            self.cancelled = True
+            self.buffer.clear()
+        else:
+            self.error = error
+
+    def credit(self) -> None:
+        """Lets a worker held by back-pressure go on once the consumer caught up."""
+        task = self.task
+        if (self.waiting and not self.finished and task.wid is not None
+                and (not task.max_buffered or task.produced - self.consumed < task.max_buffered)):
+            worker = task.pool._workers.get(task.wid)
+            if worker is not None:
+                worker.tasks.put((W.CREDIT, task.tid, self.consumed))
+                self.waiting = False
+
+    def next(self, timeout: Optional[float]) -> Ref:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with STATE:
+            while True:
+                if self.cancelled:
+                    raise TaskCancelledError(
+                        f"task {self.task.tid} ({self.task.label}) was cancelled: the refs it "
+                        "returned before stay valid, no more will come")
+                if self.buffer:
+                    value = self.buffer.popleft()
+                    index = self.consumed
+                    self.consumed += 1
+                    self.credit()
+                    return Ref(_Entry((self.task.tid, index, self.task.label), value))
+                if self.finished:
+                    error, self.error = self.error, None
+                    if error is not None:
+                        error.result()  # raises the task's exception, where it raised it
+                    raise StopIteration
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise GetTimeoutError(
+                        f"task {self.task.tid} ({self.task.label}) yielded no new value within "
+                        f"{timeout} s; it goes on: call next() again")
+                STATE.wait(remaining)
+
+    def cancel(self) -> None:
+        with STATE:
+            if self.cancelled:
+                return
+            self.cancelled = True
+            self.buffer.clear()
+            if not self.finished and not self.task.cancelled:
+                self.task.pool._cancel(self.task)
+            STATE.notify_all()
+
+    def join(self, timeout: Optional[float]) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with STATE:
+            while not self.finished:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                STATE.wait(remaining)
+            return True
