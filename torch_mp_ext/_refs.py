@@ -31,6 +31,7 @@ one-shot, so such a value can be read once.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -64,7 +65,11 @@ Wire = Tuple[int, Union[bytes, Tuple[tuple, int]]]
 
 
 class _Collector(pickle.Unpickler):
-    """Walks a pickle without running it, adopting every block handle in it."""
+    """Walks a pickle without running it, adopting every block handle in it.
+
+    What ``find_class`` returns must not refer to the collector: the unpickler's memo keeps
+    it, and a cycle would keep ``blocks`` (the Value's references) alive until a GC pass.
+    """
 
     def __init__(self, data: Any, blocks: List["_C.Block"]) -> None:
         super().__init__(io.BytesIO(data))
@@ -72,16 +77,20 @@ class _Collector(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch_mp_ext.reductions" and name in _REBUILDERS:
-            position = _REBUILDERS[name]
-            return lambda *args: self.blocks.append(_C.attach(args[position]))
+            return functools.partial(_adopt, self.blocks, _REBUILDERS[name])
         if module == __name__ and name == "_rebuild_ref":
-            return self._nested
+            return functools.partial(_adopt_nested, self.blocks)
         return _pickling._Inert
 
-    def _nested(self, oid: Any, wire: Wire) -> None:
-        box = _collect_wire(wire, self.blocks)[1]
-        if box is not None:
-            self.blocks.append(box)
+
+def _adopt(blocks: List["_C.Block"], position: int, *args: Any) -> None:
+    blocks.append(_C.attach(args[position]))
+
+
+def _adopt_nested(blocks: List["_C.Block"], oid: Any, wire: Wire) -> None:
+    box = _collect_wire(wire, blocks)[1]
+    if box is not None:
+        blocks.append(box)
 
 
 def _collect_wire(wire: Wire, blocks: List["_C.Block"]) -> Tuple[Any, Optional["_C.Block"]]:

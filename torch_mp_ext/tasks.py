@@ -241,6 +241,11 @@ class TaskPool:
         refs = [Ref(e) for e in task.entries]
         return refs if mode == W.MODE_FIXED else refs[0]
 
+    def put(self, obj: Any) -> Ref:
+        """A :class:`Ref` to ``obj``, stored as task values are (Ray's ``ray.put``): pass it
+        to several tasks and its tensors and arrays are shared, never copied per task."""
+        return Ref(_Entry((next(_TIDS), 0, "put"), Value.from_wire(encode(obj))))
+
     def shutdown(self, wait: bool = True, cancel_pending: bool = False) -> None:
         """Stops the pool once its tasks have ended; no task may be submitted any more.
 
