@@ -208,24 +208,33 @@ _pickling._DROPPERS[(__name__, "_rebuild_ref")] = _drop_ref
 class _Entry:
     """Where a Ref's value arrives (shared by the copies of one Ref in one process)."""
 
-    __slots__ = ("oid", "value", "dependents", "__weakref__")
+    __slots__ = ("oid", "value", "dependents", "pool", "__weakref__")
 
-    def __init__(self, oid: tuple, value: Optional[Value] = None) -> None:
+    def __init__(self, oid: tuple, value: Optional[Value] = None, pool: Any = None) -> None:
         self.oid = oid  # (task id, index, label)
         self.value = value
         self.dependents: Optional[list] = None
+        self.pool = pool  # the TaskPool that fills it, while it is pending
 
     def wait(self, timeout: Optional[float]) -> Value:
         deadline = None if timeout is None else time.monotonic() + timeout
-        with STATE:
-            while self.value is None:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+        while True:
+            with STATE:
+                if self.value is not None:
+                    self.pool = None
+                    return self.value
+                if deadline is not None and time.monotonic() >= deadline:
                     raise GetTimeoutError(
                         f"{_describe(self.oid)} was not ready within {timeout} s; the task "
                         "goes on: call get() again, or pass timeout=None to wait for it")
-                STATE.wait(remaining)
-        return self.value
+                pool = self.pool
+            if pool is not None:
+                pool._await(lambda: self.value is not None, deadline)
+            else:
+                with STATE:
+                    if self.value is None:
+                        STATE.wait(None if deadline is None else
+                                   max(0.0, deadline - time.monotonic()))
 
 
 def _describe(oid: tuple) -> str:

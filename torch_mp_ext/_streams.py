@@ -63,8 +63,8 @@ class Stream:
 
     def next(self, timeout: Optional[float]) -> Ref:
         deadline = None if timeout is None else time.monotonic() + timeout
-        with STATE:
-            while True:
+        while True:
+            with STATE:
                 if self.cancelled:
                     raise TaskCancelledError(
                         f"task {self.task.tid} ({self.task.label}) was cancelled: the refs it "
@@ -80,12 +80,14 @@ class Stream:
                     if error is not None:
                         error.result()  # raises the task's exception, where it raised it
                     raise StopIteration
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                if deadline is not None and time.monotonic() >= deadline:
                     raise GetTimeoutError(
                         f"task {self.task.tid} ({self.task.label}) yielded no new value within "
                         f"{timeout} s; it goes on: call next() again")
-                STATE.wait(remaining)
+            self.task.pool._await(self._ready, deadline)
+
+    def _ready(self) -> bool:
+        return bool(self.buffer) or self.finished or self.cancelled
 
     def cancel(self) -> None:
         with STATE:
@@ -99,10 +101,6 @@ class Stream:
 
     def join(self, timeout: Optional[float]) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
+        self.task.pool._await(lambda: self.finished, deadline)
         with STATE:
-            while not self.finished:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                STATE.wait(remaining)
-            return True
+            return self.finished

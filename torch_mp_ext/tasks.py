@@ -27,6 +27,14 @@ the consumer sends WAIT and blocks on its queue; the consumer's ``next()`` sends
 (how many it consumed) once it has caught up. Cancellation is a CANCEL the worker reads after
 each ``yield``; it closes the generator (``GeneratorExit`` at the ``yield``) and sends DONE.
 
+Note [Who reads the result queue]
+A value that arrives while the caller waits for it should not need a second thread to wake
+the caller: handing the GIL from a busy collector thread to a waiting one can take the
+interpreter's whole switch interval (5 ms). So whoever waits (``next()``, ``get()``) reads the
+result queue itself, under the pool's pump lock, and handles every message it finds, for
+any task. The collector thread reads it only while no one has waited for 10 ms, and checks
+for dead workers every 20 ms either way.
+
 Note [Counts that differ from num_returns]
 A fixed ``num_returns=k`` generator has its first k-1 values sent as yielded; the k-th is
 pickled at once but sent when the generator has finished, because only then is it known that
@@ -160,6 +168,9 @@ class TaskPool:
         self._wids = itertools.count()
         self._oom_before = _exits.oom_kill_counts()
         self._thread: Optional[threading.Thread] = None
+        self._pump = threading.Lock()
+        self._consumer_until = 0.0
+        self._stopped = False
         try:
             for _ in range(count):
                 self._start_worker()
@@ -223,7 +234,7 @@ class TaskPool:
             if mode == W.MODE_STREAMING:
                 task.stream = Stream(task)
             else:
-                task.entries = [_Entry((task.tid, i, task.label)) for i in oids]
+                task.entries = [_Entry((task.tid, i, task.label), None, self) for i in oids]
             self._tasks[task.tid] = task
             waiting = [e for e in waiting if e.value is None]
             if waiting or task.payload is None:
@@ -302,6 +313,7 @@ class TaskPool:
         self._idle.append(wid)
 
     def _stop_workers(self) -> None:
+        self._stopped = True
         workers = list(self._workers.values())
         self._workers.clear()
         for w in workers:
@@ -346,27 +358,66 @@ class TaskPool:
         if not self._broken and (self._tasks or not self._closing):
             self._start_worker()
 
-    # -- the collector thread --------------------------------------------------------------
+    # -- reading results: Note [Who reads the result queue] ---------------------------------
     def _collect(self) -> None:
-        get_many, last_check = self._results.get_many, 0.0
+        last_check = 0.0
         while True:
-            try:
-                msgs = get_many(256, timeout=0.05)
-            except queue.Empty:
-                msgs = ()
             with STATE:
-                for msg in msgs:
-                    self._on_message(msg)
-                now = time.monotonic()
-                if not msgs or now - last_check > 0.02:
-                    last_check = now
-                    self._check_workers()
-                self._dispatch()
-                STATE.notify_all()
                 if self._closing and not self._tasks:
                     break
+            now = time.monotonic()
+            consumer = now < self._consumer_until
+            if self._pump.acquire(timeout=0.02):
+                try:
+                    if now - last_check > 0.02:
+                        last_check = now
+                        with STATE:
+                            self._check_workers()
+                            self._dispatch()
+                            STATE.notify_all()
+                    if not consumer:
+                        self._pump_once(0.02)
+                finally:
+                    self._pump.release()
+            if consumer:
+                time.sleep(0.005)
         with STATE:
             self._stop_workers()
+
+    def _pump_once(self, timeout: float) -> None:
+        """Reads and handles what the workers sent (the pump lock held, STATE not)."""
+        try:
+            msgs = self._results.get_many(256, timeout=timeout)
+        except (queue.Empty, ValueError):  # nothing, or closed: the pool stopped
+            return
+        with STATE:
+            for msg in msgs:
+                self._on_message(msg)
+            self._dispatch()
+            STATE.notify_all()
+
+    def _await(self, ready: Callable[[], Any], deadline: Optional[float]) -> None:
+        """Returns once ``ready()`` (checked with STATE held) or ``deadline`` passed,
+        reading the result queue in this thread while it waits (called without STATE)."""
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            step = 0.05 if deadline is None else min(0.05, deadline - now)
+            self._consumer_until = now + 0.01
+            if not self._stopped and self._pump.acquire(timeout=step):
+                try:
+                    with STATE:
+                        if ready():
+                            return
+                    self._pump_once(step)
+                finally:
+                    self._pump.release()
+            with STATE:
+                if ready():
+                    return
+                if self._stopped:
+                    STATE.wait(step)
 
     def _check_workers(self) -> None:
         sentinels = {w.process.sentinel: w for w in self._workers.values()}
@@ -445,7 +496,7 @@ class TaskPool:
                               task.max_buffered or 0, task.skip))
 
     def _fill(self, entry: _Entry, value: Value) -> None:
-        entry.value = value
+        entry.value, entry.pool = value, None
         dependents, entry.dependents = entry.dependents, None
         for task in dependents or ():
             task.deps -= 1
