@@ -33,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable
 
 import numpy as np
 
@@ -59,11 +59,11 @@ def gen_arena_values(n: int, size: int):
         yield arr
 
 
-def make_item(args: Tuple[int, int]) -> Any:
+def make_item(args: tuple[int, int]) -> Any:
     return value(*args)
 
 
-def make_list(n: int, size: int) -> List[Any]:
+def make_list(n: int, size: int) -> list[Any]:
     return [value(i, size) for i in range(n)]
 
 
@@ -76,7 +76,7 @@ def check(i: int, v: Any, size: int) -> None:
 # ---- one measurement: (seconds per item, seconds to the first item) ------------------------
 
 
-def run_tmx(pool: Any, fn: Callable, n: int, size: int) -> Tuple[float, float]:
+def run_tmx(pool: Any, fn: Callable, n: int, size: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     gen = pool.submit(fn, n, size, num_returns="streaming")
     first = None
@@ -89,7 +89,7 @@ def run_tmx(pool: Any, fn: Callable, n: int, size: int) -> Tuple[float, float]:
     return (time.perf_counter() - t0) / n, first
 
 
-def run_imap(pool: Any, n: int, size: int) -> Tuple[float, float]:
+def run_imap(pool: Any, n: int, size: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     first = None
     for i, v in enumerate(pool.imap(make_item, ((i, size) for i in range(n)))):
@@ -100,7 +100,7 @@ def run_imap(pool: Any, n: int, size: int) -> Tuple[float, float]:
     return (time.perf_counter() - t0) / n, first
 
 
-def run_ppe(ex: Any, n: int, size: int) -> Tuple[float, float]:
+def run_ppe(ex: Any, n: int, size: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     values = ex.submit(make_list, n, size).result(TIMEOUT)
     first = time.perf_counter() - t0
@@ -119,7 +119,7 @@ _PROTO = "@@"
 
 def child(kind: str) -> None:
     """A child interpreter's command loop: one JSON request per line of stdin."""
-    runners: Dict[str, Callable[[int, int], Tuple[float, float]]] = {}
+    runners: dict[str, Callable[[int, int], tuple[float, float]]] = {}
     if kind == "stdlib":
         fork = multiprocessing.get_context("fork")
         mpool = fork.Pool(1)
@@ -136,7 +136,7 @@ def child(kind: str) -> None:
                  log_to_driver=False)
         gen = ray.remote(num_cpus=1)(gen_values)
 
-        def run_ray(n: int, size: int) -> Tuple[float, float]:
+        def run_ray(n: int, size: int) -> tuple[float, float]:
             t0 = time.perf_counter()
             first = None
             for i, ref in enumerate(gen.remote(n, size)):
@@ -165,7 +165,7 @@ class Child:
     """A contender's interpreter; ``why`` says why it is unavailable."""
 
     def __init__(self, kind: str, python: str) -> None:
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.why = ""
         here = os.path.dirname(os.path.abspath(__file__))
         env = dict(os.environ, PYTHONPATH=here, RAY_AUTH_MODE="disabled",
@@ -185,7 +185,7 @@ class Child:
         self.proc = None
         return None
 
-    def run(self, name: str, n: int, size: int) -> Optional[Tuple[float, float]]:
+    def run(self, name: str, n: int, size: int) -> tuple[float, float] | None:
         if self.proc is None:
             return None
         self.proc.stdin.write(json.dumps([name, n, size]) + "\n")
@@ -203,7 +203,7 @@ class Child:
                 self.proc.wait()
 
 
-def ray_python() -> Tuple[Optional[str], str]:
+def ray_python() -> tuple[str | None, str]:
     python = os.environ.get("TMX_BENCH_RAY_PYTHON", "/work/venv-ray/bin/python")
     if os.path.exists(python):
         return python, ""
@@ -218,7 +218,7 @@ def ray_python() -> Tuple[Optional[str], str]:
 # ---- the table ------------------------------------------------------------------------------
 
 
-def fmt(seconds: Optional[float]) -> str:
+def fmt(seconds: float | None) -> str:
     if seconds is None:
         return "n/a"
     if seconds < 1e-3:
@@ -228,7 +228,7 @@ def fmt(seconds: Optional[float]) -> str:
     return f"{seconds:.2f} s"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
     parser.add_argument("--small", type=int, default=2000, help="small items per generator")
@@ -249,10 +249,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ray = Child("ray", python) if python else None
     if ray is not None and ray.proc is None:
         ray_why = ray.why
-    results: Dict[str, Dict[str, List[Tuple[float, float]]]] = {}
+    results: dict[str, dict[str, list[tuple[float, float]]]] = {}
     try:
         with mp.TaskPool(1) as pool:
-            runners: Dict[str, Callable[[int, int], Any]] = {
+            runners: dict[str, Callable[[int, int], Any]] = {
                 "torch_mp_ext": lambda n, s: run_tmx(pool, gen_values, n, s),
                 "torch_mp_ext (arena-born)": lambda n, s: run_tmx(pool, gen_arena_values, n, s),
                 "mp.Pool.imap": lambda n, s: stdlib.run("mp.Pool.imap", n, s),
@@ -287,7 +287,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("-" * (len(h) + 2) for h in header) + "|")
 
-    def cells(key: str, column: int) -> List[str]:
+    def cells(key: str, column: int) -> list[str]:
         base = statistics.median(r[column] for r in results[key]["torch_mp_ext"])
         out = []
         for name in names:

@@ -42,8 +42,7 @@ def get_size(ref_generator, block_size):
 
 
 def generator():
-    for i in range(2):
-        yield i
+    yield from range(2)
     raise Exception("error")
 
 
@@ -106,8 +105,7 @@ def progress_counter(progress, n):
 
 
 def yield_then_die(n):
-    for i in range(n):
-        yield i
+    yield from range(n)
     time.sleep(0.2)
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -8,11 +8,10 @@ import os
 import signal
 import time
 
+import _task_workers as tw
 import numpy as np
 import pytest
-import torch
 
-import _task_workers as tw
 import torch_mp_ext as mp
 from torch_mp_ext.errors import (
     GetTimeoutError,

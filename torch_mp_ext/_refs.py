@@ -1,197 +1,25 @@
-"""Refs to task values: where a value lives, how every copy of a Ref keeps it alive, get/wait.
+"""Refs to task values (possibly not produced yet), RefGenerator, and ``get``/``wait``.
 
-Note [Task values]
-A value a task produced is its pickle (``_pickling.dumps``): tensors and numpy arrays inside
-are block handles (``reductions.py``), so the pickle is a few dozen bytes per tensor whatever
-its size, and the data stays in the arena block the worker wrote it to. A pickle larger than
-``INLINE_MAX`` (a big list, a long string) goes into an arena block of its own, a *box*, and
-the message carries the box's handle. On the wire a value is ``(kind, payload)``: ``kind`` is
-``VALUE`` or ``ERROR`` (the pickle of the task's exception, with its traceback), ``payload`` the
-pickle's bytes or ``(box handle, nbytes)``.
-
-Note [Every Ref copy holds its value]
-Each handle inside a pickle carries one counted reference (Note [Block lifetime] in
-``csrc/shm/layout.h``). A :class:`Value` takes those references over as :class:`_C.Block`
-objects, one per handle in the pickle (nested refs and boxes included), found by walking the
-pickle without running it (``_Collector``). Then:
-
-- reading the value (``get``) first adds one reference per block (``Block.share()``): the
-  ordinary rebuild functions take those over, and the Value keeps its own;
-- pickling a :class:`Ref` (into a task's arguments, or inside another value) does the same:
-  the message carries its own references, and the receiving process's Ref copy takes them;
-- a Ref copy that dies drops its Value's blocks.
-
-So a value lives exactly as long as some Ref copy to it lives in some process (or a message
-carrying one is in flight), and the last one to go frees it, wherever that is. No process
-asks another for a value: a task given a Ref reads it from shared memory, the caller never
-touches it. What this cannot duplicate are handles that torch itself issues (tensors that
-``share_memory_()`` or a DataLoader put in torch's shared memory, CUDA tensors): those are
-one-shot, so such a value can be read once.
+A :class:`Ref` names one value of one task; its value lives in the arena and every copy of the
+Ref, in any process, holds it (Note [Every Ref copy holds its value] in ``_values.py``).
 """
 
 from __future__ import annotations
 
-import functools
-import io
-import os
-import pickle
 import threading
 import time
 from collections import deque
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
-from . import _C, _pickling
-from ._pickling import TAG_PICKLE, dumps, loads, release_frame
-from .errors import GetTimeoutError, RemoteTaskError, with_traceback
+from . import _pickling
+from ._values import Value, Wire, discard
+from .errors import GetTimeoutError
 
-__all__ = ["Ref", "RefGenerator", "Value", "encode", "encode_error", "discard", "get", "wait",
-           "STATE", "VALUE", "ERROR"]
-
-VALUE = 0
-ERROR = 1
-#: Pickles larger than this travel in an arena block of their own (Note [Task values]).
-INLINE_MAX = int(os.environ.get("TORCH_MP_EXT_TASK_INLINE_BYTES", 64 * 1024))
+__all__ = ["STATE", "Ref", "RefGenerator", "get", "wait"]
 
 #: One lock for the state of every pool and entry; notified whenever a value arrives.
 STATE = threading.Condition(threading.RLock())
-
-_MARK = b"torch_mp_ext"  # in every pickle that holds a handle; absent: nothing to walk
-_REBUILDERS = {"rebuild_storage": 1, "rebuild_cpu_tensor": 0, "rebuild_array": 0}
-
-Wire = Tuple[int, Union[bytes, Tuple[tuple, int]]]
-
-
-# ---- values ---------------------------------------------------------------------------------
-
-
-class _Collector(pickle.Unpickler):
-    """Walks a pickle without running it, adopting every block handle in it.
-
-    What ``find_class`` returns must not refer to the collector: the unpickler's memo keeps
-    it, and a cycle would keep ``blocks`` (the Value's references) alive until a GC pass.
-    """
-
-    def __init__(self, data: Any, blocks: List["_C.Block"]) -> None:
-        super().__init__(io.BytesIO(data))
-        self.blocks = blocks
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch_mp_ext.reductions" and name in _REBUILDERS:
-            return functools.partial(_adopt, self.blocks, _REBUILDERS[name])
-        if module == __name__ and name == "_rebuild_ref":
-            return functools.partial(_adopt_nested, self.blocks)
-        return _pickling._Inert
-
-
-def _adopt(blocks: List["_C.Block"], position: int, *args: Any) -> None:
-    blocks.append(_C.attach(args[position]))
-
-
-def _adopt_nested(blocks: List["_C.Block"], oid: Any, wire: Wire) -> None:
-    box = _collect_wire(wire, blocks)[1]
-    if box is not None:
-        blocks.append(box)
-
-
-def _collect_wire(wire: Wire, blocks: List["_C.Block"]) -> Tuple[Any, Optional["_C.Block"]]:
-    """(the pickle, its box or None), adopting the handles inside the pickle into ``blocks``."""
-    payload = wire[1]
-    box = None
-    if type(payload) is bytes:
-        data: Any = payload
-    else:
-        box = _C.attach(payload[0])
-        data = memoryview(box)[: payload[1]]
-    if box is not None or _MARK in data:
-        _Collector(data, blocks).load()
-    return data, box
-
-
-class Value:
-    """One holder of a task value in the arena (Note [Every Ref copy holds its value]).
-
-    ``blocks`` are the references the handles inside the pickle carry (nested boxes
-    included); ``box`` holds the pickle itself when it is not inline.
-    """
-
-    __slots__ = ("kind", "data", "box", "blocks")
-
-    def __init__(self, kind: int, data: Any, box: Optional["_C.Block"],
-                 blocks: List["_C.Block"]) -> None:
-        self.kind = kind
-        self.data = data
-        self.box = box
-        self.blocks = blocks
-
-    @classmethod
-    def from_wire(cls, wire: Wire) -> "Value":
-        """Takes over the references a wire value carries."""
-        blocks: List[_C.Block] = []
-        data, box = _collect_wire(wire, blocks)
-        return cls(wire[0], data, box, blocks)
-
-    def to_wire(self) -> Wire:
-        """A wire copy carrying references of its own."""
-        for block in self.blocks:
-            block.share()
-        if self.box is None:
-            return (self.kind, self.data)
-        return (self.kind, (self.box.share(), len(self.data)))
-
-    def load(self) -> Any:
-        """The object (for ``ERROR``: the exception, not raised)."""
-        for block in self.blocks:
-            block.share()
-        return loads(self.data)
-
-    def result(self) -> Any:
-        """The object, or raises the task's exception."""
-        if self.kind != ERROR:
-            return self.load()
-        try:
-            exc = self.load()
-        except Exception as e:  # noqa: BLE001 (its class does not import here, ...)
-            raise RemoteTaskError(
-                f"the task raised an exception that cannot be unpickled in this process "
-                f"({type(e).__name__}: {e}): make its class importable here") from e
-        raise exc
-
-
-def encode(obj: Any, kind: int = VALUE) -> Wire:
-    """Pickles ``obj`` as a wire value; a large pickle goes into a box."""
-    data = dumps(obj)
-    if len(data) <= INLINE_MAX:
-        return (kind, data)
-    box = _C.allocate(len(data))
-    memoryview(box)[: len(data)] = data
-    return (kind, (box.share(), len(data)))
-
-
-def encode_error(exc: BaseException) -> Wire:
-    """The wire value of a task's exception, with its traceback as ``__cause__`` once read;
-    an exception that does not pickle becomes a :class:`RemoteTaskError` holding its text."""
-    try:
-        return encode(with_traceback(exc), ERROR)
-    except Exception:  # noqa: BLE001 (whatever pickling raised: the text travels instead)
-        import traceback
-
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return encode(RemoteTaskError(
-            f"the task raised {type(exc).__qualname__}: {exc} (the exception could not be "
-            f"pickled; its traceback is in .traceback)", text), ERROR)
-
-
-def discard(wire: Wire) -> None:
-    """Drops the references of a wire value nobody will read; never raises."""
-    payload = wire[1]
-    if type(payload) is bytes:
-        release_frame(TAG_PICKLE, payload)
-        return
-    try:
-        box = _C.attach(payload[0])
-        release_frame(TAG_PICKLE, bytes(memoryview(box)[: payload[1]]))
-    except Exception:  # noqa: BLE001 (as for a dropped queue frame: the reference stays)
-        pass
 
 
 def _drop_ref(oid: Any, wire: Wire) -> None:
@@ -208,15 +36,15 @@ _pickling._DROPPERS[(__name__, "_rebuild_ref")] = _drop_ref
 class _Entry:
     """Where a Ref's value arrives (shared by the copies of one Ref in one process)."""
 
-    __slots__ = ("oid", "value", "dependents", "pool", "__weakref__")
+    __slots__ = ("__weakref__", "dependents", "oid", "pool", "value")
 
-    def __init__(self, oid: tuple, value: Optional[Value] = None, pool: Any = None) -> None:
+    def __init__(self, oid: tuple, value: Value | None = None, pool: Any = None) -> None:
         self.oid = oid  # (task id, index, label)
         self.value = value
-        self.dependents: Optional[list] = None
+        self.dependents: list | None = None
         self.pool = pool  # the TaskPool that fills it, while it is pending
 
-    def wait(self, timeout: Optional[float]) -> Value:
+    def wait(self, timeout: float | None) -> Value:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with STATE:
@@ -250,7 +78,7 @@ class Ref:
     copy in every process keeps the value alive; it is freed when the last copy goes.
     """
 
-    __slots__ = ("_entry", "__weakref__")
+    __slots__ = ("__weakref__", "_entry")
 
     def __init__(self, entry: _Entry) -> None:
         self._entry = entry
@@ -259,7 +87,7 @@ class Ref:
         """True once the value (or the task's error) is there: :meth:`get` will not block."""
         return self._entry.value is not None
 
-    def get(self, timeout: Optional[float] = None) -> Any:
+    def get(self, timeout: float | None = None) -> Any:
         """The value, waiting for it at most ``timeout`` seconds (``None``: for ever).
 
         Tensors and numpy arrays come back zero-copy, viewing the arena block the worker
@@ -320,7 +148,7 @@ class RefGenerator:
     def __next__(self) -> Ref:
         return self.next()
 
-    def next(self, timeout: Optional[float] = None) -> Ref:
+    def next(self, timeout: float | None = None) -> Ref:
         """The next ref, waiting at most ``timeout`` seconds for the worker to yield it.
 
         Raises:
@@ -343,7 +171,7 @@ class RefGenerator:
         if self._stream is not None:
             self._stream.cancel()
 
-    def join(self, timeout: Optional[float] = None) -> bool:
+    def join(self, timeout: float | None = None) -> bool:
         """Waits until the task has ended in its worker (finished, raised, cancelled or its
         worker died); returns False if ``timeout`` passed first."""
         if self._stream is None:
@@ -384,7 +212,7 @@ class RefGenerator:
 # ---- get / wait -----------------------------------------------------------------------------
 
 
-def get(refs: Union[Ref, Sequence[Ref]], timeout: Optional[float] = None) -> Any:
+def get(refs: Ref | Sequence[Ref], timeout: float | None = None) -> Any:
     """The value of a :class:`Ref`, or the list of values of a list of refs.
 
     Args:
@@ -406,7 +234,7 @@ def get(refs: Union[Ref, Sequence[Ref]], timeout: Optional[float] = None) -> Any
 
 
 def wait(refs: Sequence[Ref], num_returns: int = 1,
-         timeout: Optional[float] = None) -> Tuple[List[Ref], List[Ref]]:
+         timeout: float | None = None) -> tuple[list[Ref], list[Ref]]:
     """Waits until ``num_returns`` of ``refs`` are ready, or ``timeout`` seconds passed.
 
     Returns:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any
 
 from . import _task_worker as W
-from ._refs import STATE, Ref, Value, _Entry
+from ._refs import STATE, Ref, _Entry
+from ._values import Value
 from .errors import GetTimeoutError, TaskCancelledError
 
 __all__ = ["Stream"]
@@ -22,13 +23,13 @@ __all__ = ["Stream"]
 class Stream:
     """Values of one streaming task, between the collector thread and the consumer."""
 
-    __slots__ = ("task", "buffer", "consumed", "error", "cancelled", "waiting", "finished")
+    __slots__ = ("buffer", "cancelled", "consumed", "error", "finished", "task", "waiting")
 
     def __init__(self, task: Any) -> None:
         self.task = task
         self.buffer: deque = deque()
         self.consumed = 0
-        self.error: Optional[Value] = None
+        self.error: Value | None = None
         self.cancelled = False
         self.waiting = False  # the worker is held by back-pressure
         self.finished = False  # the task ended in its worker
@@ -42,7 +43,7 @@ class Stream:
         if not self.cancelled:
             self.buffer.append(value)
 
-    def finish(self, error: Optional[Value], cancelled: bool) -> None:
+    def finish(self, error: Value | None, cancelled: bool) -> None:
         self.finished = True
         self.waiting = False
         if cancelled:
@@ -61,7 +62,7 @@ class Stream:
                 worker.tasks.put((W.CREDIT, task.tid, self.consumed))
                 self.waiting = False
 
-    def next(self, timeout: Optional[float]) -> Ref:
+    def next(self, timeout: float | None) -> Ref:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with STATE:
@@ -99,7 +100,7 @@ class Stream:
                 self.task.pool._cancel(self.task)
             STATE.notify_all()
 
-    def join(self, timeout: Optional[float]) -> bool:
+    def join(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.task.pool._await(lambda: self.finished, deadline)
         with STATE:

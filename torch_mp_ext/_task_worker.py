@@ -25,10 +25,11 @@ import os
 import signal
 import sys
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from . import _C
-from ._refs import Ref, Value, discard, encode, encode_error
+from ._refs import Ref
+from ._values import Value, discard, encode, encode_error
 from .errors import ReturnCountError
 
 __all__ = ["main"]
@@ -39,7 +40,7 @@ MODE_ONE, MODE_FIXED, MODE_DYNAMIC, MODE_STREAMING = range(4)
 FLAG_OK, FLAG_CANCELLED = 0, 1
 
 
-def main(wid: int, tasks: Any, results: Any, initializer: Optional[Callable[..., Any]],
+def main(wid: int, tasks: Any, results: Any, initializer: Callable[..., Any] | None,
          initargs: tuple) -> None:
     """The worker process's target."""
     if sys.platform.startswith("linux"):

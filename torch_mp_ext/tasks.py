@@ -47,91 +47,38 @@ into ref k as well. ``"dynamic"`` and ``"streaming"`` have no count to match.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
-import multiprocessing.connection
 import os
 import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable
 
 from . import _exits, _forkserver
 from . import _task_worker as W
 from ._context import default_context
-from ._refs import ERROR, STATE, Ref, RefGenerator, Value, _Entry, discard, encode, encode_error
+from ._refs import STATE, Ref, RefGenerator, _Entry
 from ._streams import Stream
-from .errors import PoolClosedError, TaskCancelledError, WorkerDiedError
+from ._task_state import (
+    TaskState,
+    _Task,
+    _Worker,
+    error_value,
+    next_tid,
+    parse_num_returns,
+    pending_refs,
+)
+from ._values import Value, encode
+from .errors import PoolClosedError, TaskCancelledError
 from .queues import Queue
 
 __all__ = ["TaskPool"]
 
-_TIDS = itertools.count(1)
 _TASK_QUEUE_BYTES = 1 << 20
 _STOP_WAIT_S = 5.0
 
 
-def _error_value(exc: BaseException) -> Value:
-    return Value.from_wire(encode(exc, ERROR))
-
-
-class _Task:
-    """One submitted task, from submit until its worker says it ended."""
-
-    __slots__ = ("pool", "tid", "label", "call", "payload", "mode", "k", "max_buffered",
-                 "retries", "entries", "items", "stream", "produced", "wid", "deps", "skip",
-                 "ended", "cancelled")
-
-    def __init__(self, pool: "TaskPool", label: str, mode: int, k: int,
-                 max_buffered: Optional[int], retries: int) -> None:
-        self.pool, self.tid, self.label = pool, next(_TIDS), label
-        self.mode, self.k, self.max_buffered, self.retries = mode, k, max_buffered, retries
-        self.call: Any = None
-        self.payload: Optional[Value] = None
-        self.entries: List[_Entry] = []
-        self.items: List[Value] = []
-        self.stream: Optional[Stream] = None
-        self.produced = self.deps = self.skip = 0
-        self.wid: Optional[int] = None
-        self.ended = self.cancelled = False
-
-
-class _Worker:
-    __slots__ = ("wid", "process", "tasks", "task", "pid")
-
-    def __init__(self, wid: int, process: Any, tasks: Queue) -> None:
-        self.wid, self.process, self.tasks = wid, process, tasks
-        self.task: Optional[_Task] = None
-        self.pid = process.pid
-
-
-def _parse_num_returns(num_returns: Union[int, str]) -> tuple:
-    if num_returns == "dynamic":
-        return W.MODE_DYNAMIC, 0
-    if num_returns == "streaming":
-        return W.MODE_STREAMING, 0
-    if isinstance(num_returns, int) and not isinstance(num_returns, bool) and num_returns >= 1:
-        return (W.MODE_ONE, 1) if num_returns == 1 else (W.MODE_FIXED, num_returns)
-    raise ValueError(f"num_returns must be a positive integer, 'dynamic' or 'streaming', "
-                     f"got {num_returns!r}")
-
-
-def _pending(args: tuple, kwargs: dict) -> List[_Entry]:
-    """Entries of the not-yet-ready refs among the arguments (and one level inside lists,
-    tuples and dicts): the task waits for them (call with STATE held)."""
-    found: List[_Entry] = []
-    for arg in itertools.chain(args, kwargs.values()):
-        inner = arg.values() if isinstance(arg, dict) else arg if isinstance(
-            arg, (list, tuple)) else (arg,)
-        for obj in inner:
-            if isinstance(obj, Ref) and obj._entry.value is None:
-                found.append(obj._entry)
-            elif isinstance(obj, RefGenerator) and obj._stream is not None:
-                obj.__reduce__()  # raises TypeError naming the fix
-    return found
-
-
-class TaskPool:
+class TaskPool(TaskState):
     """A pool of worker processes running tasks that return one value, k values, or a stream.
 
     Args:
@@ -147,8 +94,8 @@ class TaskPool:
     for its tasks) on exit.
     """
 
-    def __init__(self, processes: Optional[int] = None, *, start_method: Optional[str] = None,
-                 initializer: Optional[Callable[..., Any]] = None, initargs: tuple = ()) -> None:
+    def __init__(self, processes: int | None = None, *, start_method: str | None = None,
+                 initializer: Callable[..., Any] | None = None, initargs: tuple = ()) -> None:
         count = os.cpu_count() or 1 if processes is None else processes
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"processes must be a positive integer, got {processes!r}")
@@ -159,15 +106,15 @@ class TaskPool:
             self._ctx = default_context.get_context(method)  # ValueError for unknown names
         self._init = (initializer, tuple(initargs))
         self._results = Queue()
-        self._workers: Dict[int, _Worker] = {}
+        self._workers: dict[int, _Worker] = {}
         self._idle: deque = deque()
         self._ready: deque = deque()
-        self._tasks: Dict[int, _Task] = {}
+        self._tasks: dict[int, _Task] = {}
         self._closing = False
-        self._broken: Optional[str] = None
+        self._broken: str | None = None
         self._wids = itertools.count()
         self._oom_before = _exits.oom_kill_counts()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._pump = threading.Lock()
         self._consumer_until = 0.0
         self._stopped = False
@@ -182,9 +129,9 @@ class TaskPool:
         self._thread.start()
 
     # -- public API ------------------------------------------------------------------------
-    def submit(self, fn: Callable[..., Any], /, *args: Any, num_returns: Union[int, str] = 1,
-               max_retries: int = 0, max_buffered: Optional[int] = None,
-               **kwargs: Any) -> Union[Ref, List[Ref], RefGenerator]:
+    def submit(self, fn: Callable[..., Any], /, *args: Any, num_returns: int | str = 1,
+               max_retries: int = 0, max_buffered: int | None = None,
+               **kwargs: Any) -> Ref | list[Ref] | RefGenerator:
         """Runs ``fn(*args, **kwargs)`` in a worker.
 
         Args:
@@ -208,7 +155,7 @@ class TaskPool:
             PoolClosedError: the pool was shut down.
             Exception: whatever pickling ``fn`` or its arguments raised.
         """
-        mode, k = _parse_num_returns(num_returns)
+        mode, k = parse_num_returns(num_returns)
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be a non-negative integer, got {max_retries!r}")
         if max_buffered is not None and (mode != W.MODE_STREAMING or isinstance(
@@ -221,7 +168,7 @@ class TaskPool:
         task = _Task(self, W._label(fn), mode, k, max_buffered, max_retries)
         call = (fn, args, kwargs)
         with STATE:
-            waiting = _pending(args, kwargs)
+            waiting = pending_refs(args, kwargs)
         if not waiting:
             task.payload = Value.from_wire(encode(call))  # pickling errors raise here
         with STATE:
@@ -255,7 +202,7 @@ class TaskPool:
     def put(self, obj: Any) -> Ref:
         """A :class:`Ref` to ``obj``, stored as task values are (Ray's ``ray.put``): pass it
         to several tasks and its tensors and arrays are shared, never copied per task."""
-        return Ref(_Entry((next(_TIDS), 0, "put"), Value.from_wire(encode(obj))))
+        return Ref(_Entry((next_tid(), 0, "put"), Value.from_wire(encode(obj))))
 
     def shutdown(self, wait: bool = True, cancel_pending: bool = False) -> None:
         """Stops the pool once its tasks have ended; no task may be submitted any more.
@@ -272,7 +219,7 @@ class TaskPool:
             self._closing = True
             for task in list(self._tasks.values()):
                 if cancel_pending and task.wid is None:
-                    self._end(task, _error_value(TaskCancelledError(
+                    self._end(task, error_value(TaskCancelledError(
                         f"task {task.tid} ({task.label}) was cancelled by "
                         "shutdown(cancel_pending=True) before it started")), cancelled=True)
                 elif task.max_buffered:  # nobody may consume any more: let it run out
@@ -284,10 +231,10 @@ class TaskPool:
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
 
-    def __enter__(self) -> "TaskPool":
+    def __enter__(self) -> TaskPool:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.shutdown(wait=True)
 
     def __repr__(self) -> str:
@@ -296,7 +243,7 @@ class TaskPool:
                 f"{len(self._tasks)} tasks at {id(self):#x}>")
 
     @property
-    def pids(self) -> List[int]:
+    def pids(self) -> list[int]:
         """The workers' pids (a dead worker's replacement has a new one)."""
         with STATE:
             return [w.pid for w in self._workers.values()]
@@ -330,33 +277,6 @@ class TaskPool:
             w.process.close()
             w.tasks.close()
         self._results.close()
-
-    def _on_death(self, w: _Worker) -> None:
-        w.process.join(1.0)
-        code = w.process.exitcode
-        del self._workers[w.wid]
-        if w.wid in self._idle:
-            self._idle.remove(w.wid)
-        task, w.task = w.task, None
-        w.process.close()
-        w.tasks.close()
-        if task is not None and not task.ended:
-            if task.retries > 0 and not task.cancelled:
-                task.retries -= 1
-                task.skip, task.wid = task.produced, None
-                self._ready.appendleft(task)
-            else:
-                reason, why = _exits.explain_exit(code if code is not None else -9,
-                                                  oom_before=self._oom_before)
-                self._end(task, _error_value(WorkerDiedError(
-                    f"worker {w.wid} (pid {w.pid}) of the TaskPool "
-                    f"{_exits.summarize(reason, code)} while running task {task.tid} "
-                    f"({task.label}), after it produced {task.produced} value(s). {why} The "
-                    "pool started a replacement; submit(..., max_retries=N) re-runs a task "
-                    "whose worker dies.", w.pid, code,
-                    _exits.signal_name(-code) if code is not None and code < 0 else None)))
-        if not self._broken and (self._tasks or not self._closing):
-            self._start_worker()
 
     # -- reading results: Note [Who reads the result queue] ---------------------------------
     def _collect(self) -> None:
@@ -396,7 +316,7 @@ class TaskPool:
             self._dispatch()
             STATE.notify_all()
 
-    def _await(self, ready: Callable[[], Any], deadline: Optional[float]) -> None:
+    def _await(self, ready: Callable[[], Any], deadline: float | None) -> None:
         """Returns once ``ready()`` (checked with STATE held) or ``deadline`` passed,
         reading the result queue in this thread while it waits (called without STATE)."""
         while True:
@@ -418,116 +338,3 @@ class TaskPool:
                     return
                 if self._stopped:
                     STATE.wait(step)
-
-    def _check_workers(self) -> None:
-        sentinels = {w.process.sentinel: w for w in self._workers.values()}
-        dead = multiprocessing.connection.wait(list(sentinels), 0)
-        if not dead:
-            return
-        while True:  # Note [Task protocol]: everything they sent before dying comes first
-            try:
-                msgs = self._results.get_many(256, block=False)
-            except queue.Empty:
-                break
-            for msg in msgs:
-                self._on_message(msg)
-        for sentinel in dead:
-            self._on_death(sentinels[sentinel])
-
-    def _on_message(self, msg: tuple) -> None:
-        tag, wid = msg[0], msg[1]
-        if tag == W.READY:
-            return
-        if tag == W.INIT_FAILED:
-            text = "".join(str(Value.from_wire(msg[2]).load()).splitlines()[-1:])
-            self._broken = (f"a TaskPool worker's initializer raised ({text}); the pool "
-                            "stopped: fix the initializer and create a new pool")
-            for task in list(self._tasks.values()):
-                self._end(task, _error_value(PoolClosedError(self._broken)))
-            return
-        task = self._tasks.get(msg[2])
-        if tag == W.ITEM:
-            if task is None or task.cancelled:
-                discard(msg[4])
-                return
-            value, index = Value.from_wire(msg[4]), msg[3]
-            task.produced = index + 1
-            if task.mode == W.MODE_DYNAMIC:
-                task.items.append(value)
-            elif task.stream is not None:
-                task.stream.push(value)
-            else:
-                self._fill(task.entries[index], value)
-        elif tag == W.DONE:
-            worker = self._workers.get(wid)
-            if worker is not None and worker.task is task:
-                worker.task = None
-                self._idle.append(wid)
-            error = msg[4]
-            if task is None:
-                if error is not None:
-                    discard(error)
-                return
-            task.produced = msg[3]
-            self._end(task, Value.from_wire(error) if error is not None else None,
-                      cancelled=msg[5] == W.FLAG_CANCELLED)
-        elif tag == W.WAIT and task is not None and task.stream is not None:
-            task.stream.waiting = True
-            task.stream.credit()
-
-    # -- task state (all with STATE held) ---------------------------------------------------
-    def _make_ready(self, task: _Task) -> None:
-        try:
-            task.payload = Value.from_wire(encode(task.call))
-        except Exception as e:  # noqa: BLE001 (an argument does not pickle: its refs say so)
-            self._end(task, Value.from_wire(encode_error(e)))
-            return
-        task.call = None
-        self._ready.append(task)
-
-    def _dispatch(self) -> None:
-        while self._ready and self._idle:
-            task = self._ready.popleft()
-            if task.ended:
-                continue
-            worker = self._workers[self._idle.popleft()]
-            worker.task, task.wid = task, worker.wid
-            worker.tasks.put((W.TASK, task.tid, task.payload.to_wire(), task.mode, task.k,
-                              task.max_buffered or 0, task.skip))
-
-    def _fill(self, entry: _Entry, value: Value) -> None:
-        entry.value, entry.pool = value, None
-        dependents, entry.dependents = entry.dependents, None
-        for task in dependents or ():
-            task.deps -= 1
-            if task.deps == 0 and not task.ended:
-                task.pool._make_ready(task)
-
-    def _cancel(self, task: _Task) -> None:
-        """A streaming task's consumer cancelled it (Note [Task protocol])."""
-        task.cancelled = True
-        if task.wid is None:
-            self._end(task, None, cancelled=True)
-        else:
-            self._workers[task.wid].tasks.put((W.CANCEL, task.tid))
-
-    def _end(self, task: _Task, error: Optional[Value], cancelled: bool = False) -> None:
-        """The task ended in its worker (or will never run): settle every ref it owes."""
-        task.ended = True
-        self._tasks.pop(task.tid, None)
-        task.payload = task.call = None
-        if task.stream is not None:
-            task.stream.finish(error, cancelled)
-            return
-        if task.mode == W.MODE_DYNAMIC:
-            refs = [Ref(_Entry((task.tid, i, task.label), v)) for i, v in enumerate(task.items)]
-            if error is not None:
-                refs.append(Ref(_Entry((task.tid, len(refs), task.label), error)))
-            task.items = []
-            self._fill(task.entries[0], Value.from_wire(encode(RefGenerator(refs))))
-            return
-        for entry in task.entries:
-            if entry.value is None:
-                self._fill(entry, error or _error_value(RuntimeError(
-                    f"task {task.tid} ({task.label}) ended without this value (a bug in "
-                    "torch_mp_ext: please report it)")))
