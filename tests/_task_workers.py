@@ -177,3 +177,11 @@ def stop_sampler():
     _sampler["stop"].set()
     time.sleep(0.01)
     return _sampler["base"], _sampler["peak"]
+
+
+def big_list(n):
+    return list(range(n))
+
+
+def length(x):
+    return len(x)

@@ -367,3 +367,23 @@ def test_tensor_values_are_zero_copy(pool):
     assert a.data_ptr() == b.data_ptr() and mp.is_shared(a)
     assert pool.submit(tw.sum_tensor, ref).get(timeout=T) == 3.0 * (1 << 16)
     assert isinstance(RemoteTaskError("x"), RuntimeError)
+
+
+def test_dropping_a_streaming_generator_cancels_its_task(pool):
+    progress = mp.zeros_array(2, np.int64)
+    gen = pool.submit(tw.progress_counter, progress, -1, num_returns="streaming",
+                      max_buffered=2)
+    gen.next(timeout=T)
+    del gen
+    wait_until(lambda: progress[1] == 1)  # its finally ran: the worker closed it
+
+
+def test_large_plain_values_travel_in_a_box():
+    with mp.TaskPool(1, start_method="fork") as pool:
+        base = pool.submit(tw.worker_arena).get(timeout=T)[0]
+        ref = pool.submit(tw.big_list, 100_000)  # a pickle of ~500 kB: an arena block
+        assert pool.submit(tw.length, ref).get(timeout=T) == 100_000
+        assert ref.get(timeout=T)[-1] == 99_999
+        assert pool.submit(tw.worker_arena).get(timeout=T)[0] == base + 1
+        del ref
+        wait_until(lambda: pool.submit(tw.worker_arena).get(timeout=T)[0] == base)

@@ -217,8 +217,9 @@ class TaskState:
                 continue
             worker = self._workers[self._idle.popleft()]
             worker.task, task.wid = task, worker.wid
+            consumed = task.stream.consumed if task.stream is not None else 0
             worker.tasks.put((W.TASK, task.tid, task.payload.to_wire(), task.mode, task.k,
-                              task.max_buffered or 0, task.skip))
+                              task.max_buffered or 0, task.skip, consumed))
 
     def _fill(self, entry: _Entry, value: Value) -> None:
         entry.value, entry.pool = value, None

@@ -2,11 +2,12 @@
 
 Messages (tuples on two crash-safe queues, Note [Task protocol] in ``tasks.py``)::
 
-    owner -> worker (its own queue)        worker -> owner (one queue for all workers)
-    (TASK, tid, payload, mode, k, max_buffered, skip)   (ITEM, wid, tid, index, wire)
-    (CREDIT, tid, consumed)                              (DONE, wid, tid, produced, error, flag)
-    (CANCEL, tid)                                        (WAIT, wid, tid)
-    (STOP,)                                              (READY, wid, pid) / (INIT_FAILED, wid, error)
+    owner -> worker (its own queue)                 worker -> owner (one queue for all)
+    (TASK, tid, payload, mode, k, max_buffered,      (ITEM, wid, tid, index, wire)
+           skip, consumed)                           (DONE, wid, tid, produced, error, flag)
+    (CREDIT, tid, consumed)                          (WAIT, wid, tid)
+    (CANCEL, tid)                                    (READY, wid, pid)
+    (STOP,)                                          (INIT_FAILED, wid, error)
 
 Note [One value at a time]
 A value is pickled as soon as it is yielded: tensors and arrays go to the arena (moved in
@@ -95,7 +96,7 @@ class _Worker:
 
     # -- running a task --------------------------------------------------------------------
     def run(self, tid: int, payload: Any, mode: int, k: int, max_buffered: int,
-            skip: int) -> None:
+            skip: int, consumed: int) -> None:
         try:
             fn, args, kwargs = Value.from_wire(payload).load()
             args = [a.get() if type(a) is Ref else a for a in args]
@@ -121,7 +122,7 @@ class _Worker:
         elif mode == MODE_FIXED:
             self.run_fixed(tid, _label(fn), result, k, skip)
         else:
-            self.run_stream(tid, result, mode == MODE_STREAMING, max_buffered, skip)
+            self.run_stream(tid, result, mode == MODE_STREAMING, max_buffered, skip, consumed)
 
     def run_fixed(self, tid: int, label: str, result: Any, k: int, skip: int) -> None:
         if not hasattr(result, "__next__"):  # a plain function returning k values
@@ -185,7 +186,7 @@ class _Worker:
         self.done(tid, k)
 
     def run_stream(self, tid: int, result: Any, streaming: bool, max_buffered: int,
-                   skip: int) -> None:
+                   skip: int, consumed: int) -> None:
         try:
             it = iter(result)
         except TypeError as e:
@@ -195,7 +196,8 @@ class _Worker:
             return
         del result
         produced = 0
-        allowed = skip + max_buffered if max_buffered else -1
+        # A re-run (max_retries) skips what was delivered; the consumer may be behind that.
+        allowed = consumed + max_buffered if max_buffered else -1
         waiting = False
         try:
             while True:
