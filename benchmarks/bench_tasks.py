@@ -17,8 +17,10 @@ and checking its first element). Contenders, each with a warm pool of one worker
   otherwise its column says why it is missing.
 
 Rounds of the local contenders are interleaved (every contender once per round) and the
-table reports medians; Ray's rounds run in its own process right after. Ratios are the
-contender's median over torch_mp_ext's: higher means torch_mp_ext is faster.
+table reports medians. Ray's rounds run first, in a phase of their own, and its cluster is
+shut down before the others start: its daemons (raylet, GCS) take enough CPU on a small
+machine to slow every contender's first item several-fold. Ratios are the contender's
+median over torch_mp_ext's: higher means torch_mp_ext is faster.
 """
 
 from __future__ import annotations
@@ -38,19 +40,25 @@ from typing import Any, Callable
 import numpy as np
 
 BIG = 8 << 20
+WORK = 20e-6  # seconds of CPU per item in the first-item rows
 TIMEOUT = 300.0
 
 
-def value(i: int, size: int) -> Any:
+def value(i: int, size: int, work: float = 0.0) -> Any:
+    """Item i: the int i, or an array of ``size`` bytes; ``work`` seconds of CPU first."""
+    if work:
+        end = time.perf_counter() + work
+        while time.perf_counter() < end:
+            pass
     return i if size == 0 else np.full(size, i % 251, dtype=np.uint8)
 
 
-def gen_values(n: int, size: int):
+def gen_values(n: int, size: int, work: float = 0.0):
     for i in range(n):
-        yield value(i, size)
+        yield value(i, size, work)
 
 
-def gen_arena_values(n: int, size: int):
+def gen_arena_values(n: int, size: int, work: float = 0.0):
     import torch_mp_ext as mp
 
     for i in range(n):
@@ -59,12 +67,12 @@ def gen_arena_values(n: int, size: int):
         yield arr
 
 
-def make_item(args: tuple[int, int]) -> Any:
+def make_item(args: tuple[int, int, float]) -> Any:
     return value(*args)
 
 
-def make_list(n: int, size: int) -> list[Any]:
-    return [value(i, size) for i in range(n)]
+def make_list(n: int, size: int, work: float = 0.0) -> list[Any]:
+    return [value(i, size, work) for i in range(n)]
 
 
 def check(i: int, v: Any, size: int) -> None:
@@ -76,9 +84,9 @@ def check(i: int, v: Any, size: int) -> None:
 # ---- one measurement: (seconds per item, seconds to the first item) ------------------------
 
 
-def run_tmx(pool: Any, fn: Callable, n: int, size: int) -> tuple[float, float]:
+def run_tmx(pool: Any, fn: Callable, n: int, size: int, work: float) -> tuple[float, float]:
     t0 = time.perf_counter()
-    gen = pool.submit(fn, n, size, num_returns="streaming")
+    gen = pool.submit(fn, n, size, work, num_returns="streaming")
     first = None
     for i in range(n):
         v = gen.next(timeout=TIMEOUT).get(timeout=TIMEOUT)
@@ -89,10 +97,10 @@ def run_tmx(pool: Any, fn: Callable, n: int, size: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, first
 
 
-def run_imap(pool: Any, n: int, size: int) -> tuple[float, float]:
+def run_imap(pool: Any, n: int, size: int, work: float) -> tuple[float, float]:
     t0 = time.perf_counter()
     first = None
-    for i, v in enumerate(pool.imap(make_item, ((i, size) for i in range(n)))):
+    for i, v in enumerate(pool.imap(make_item, ((i, size, work) for i in range(n)))):
         if first is None:
             first = time.perf_counter() - t0
         check(i, v, size)
@@ -100,9 +108,9 @@ def run_imap(pool: Any, n: int, size: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, first
 
 
-def run_ppe(ex: Any, n: int, size: int) -> tuple[float, float]:
+def run_ppe(ex: Any, n: int, size: int, work: float) -> tuple[float, float]:
     t0 = time.perf_counter()
-    values = ex.submit(make_list, n, size).result(TIMEOUT)
+    values = ex.submit(make_list, n, size, work).result(TIMEOUT)
     first = time.perf_counter() - t0
     for i, v in enumerate(values):
         check(i, v, size)
@@ -119,13 +127,13 @@ _PROTO = "@@"
 
 def child(kind: str) -> None:
     """A child interpreter's command loop: one JSON request per line of stdin."""
-    runners: dict[str, Callable[[int, int], tuple[float, float]]] = {}
+    runners: dict[str, Callable[[int, int, float], tuple[float, float]]] = {}
     if kind == "stdlib":
         fork = multiprocessing.get_context("fork")
         mpool = fork.Pool(1)
         ex = concurrent.futures.ProcessPoolExecutor(1, mp_context=fork)
-        runners = {"mp.Pool.imap": lambda n, s: run_imap(mpool, n, s),
-                   "ProcessPoolExecutor": lambda n, s: run_ppe(ex, n, s)}
+        runners = {"mp.Pool.imap": lambda n, s, w: run_imap(mpool, n, s, w),
+                   "ProcessPoolExecutor": lambda n, s, w: run_ppe(ex, n, s, w)}
         version = platform.python_version()
     else:
         import logging
@@ -136,10 +144,10 @@ def child(kind: str) -> None:
                  log_to_driver=False)
         gen = ray.remote(num_cpus=1)(gen_values)
 
-        def run_ray(n: int, size: int) -> tuple[float, float]:
+        def run_ray(n: int, size: int, work: float) -> tuple[float, float]:
             t0 = time.perf_counter()
             first = None
-            for i, ref in enumerate(gen.remote(n, size)):
+            for i, ref in enumerate(gen.remote(n, size, work)):
                 v = ray.get(ref)
                 if first is None:
                     first = time.perf_counter() - t0
@@ -150,12 +158,12 @@ def child(kind: str) -> None:
         runners = {"Ray streaming": run_ray}
         version = ray.__version__
     for run in runners.values():  # warm-up: workers started, stores touched
-        run(20, 0)
-        run(2, BIG)
+        run(20, 0, 0.0)
+        run(2, BIG, 0.0)
     print(_PROTO + json.dumps({"version": version}), flush=True)
     for line in sys.stdin:
-        name, n, size = json.loads(line)
-        print(_PROTO + json.dumps(runners[name](n, size)), flush=True)
+        name, n, size, work = json.loads(line)
+        print(_PROTO + json.dumps(runners[name](n, size, work)), flush=True)
     if kind == "stdlib":
         mpool.terminate()
         ex.shutdown()
@@ -185,10 +193,10 @@ class Child:
         self.proc = None
         return None
 
-    def run(self, name: str, n: int, size: int) -> tuple[float, float] | None:
+    def run(self, name: str, n: int, size: int, work: float) -> tuple[float, float] | None:
         if self.proc is None:
             return None
-        self.proc.stdin.write(json.dumps([name, n, size]) + "\n")
+        self.proc.stdin.write(json.dumps([name, n, size, work]) + "\n")
         self.proc.stdin.flush()
         reply = self._read()
         return None if reply is None else tuple(reply)
@@ -233,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
     parser.add_argument("--small", type=int, default=2000, help="small items per generator")
     parser.add_argument("--big", type=int, default=30, help="8 MB arrays per generator")
+    parser.add_argument("--work-items", type=int, default=1000,
+                        help="items of the first-item rows (and ten times as many)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray column")
+    parser.add_argument("--raw", action="store_true", help="also print every measurement")
     args = parser.parse_args(argv)
 
     import torch
@@ -241,46 +252,58 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch_mp_ext as mp  # the checkout's, built in place, unless installed
 
-    # (key, n, size): per-item cost, and first-item latency at two generator lengths.
-    spec = [("small", args.small, 0), ("small x10", args.small * 10, 0),
-            ("big", args.big, BIG)]
-    stdlib = Child("stdlib", sys.executable)
-    python, ray_why = (None, "skipped (--no-ray)") if args.no_ray else ray_python()
-    ray = Child("ray", python) if python else None
-    if ray is not None and ray.proc is None:
-        ray_why = ray.why
+    # (key, n, size, work): per-item cost with no work per item; first-item latency at two
+    # generator lengths with WORK seconds of CPU per item (what a real producer does).
+    spec = [("small", args.small, 0, 0.0), ("work", args.work_items, 0, WORK),
+            ("work x10", args.work_items * 10, 0, WORK), ("big", args.big, BIG, 0.0)]
     results: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    python, ray_why = (None, "skipped (--no-ray)") if args.no_ray else ray_python()
+    ray_version = ray_why
+    if python is not None:  # Ray first, alone: see the module docstring
+        ray = Child("ray", python)
+        ray_version = ray.version or ray.why
+        for _ in range(args.rounds):
+            for key, n, size, work in spec:
+                result = ray.run("Ray streaming", n, size, work)
+                if result is not None:
+                    results.setdefault(key, {}).setdefault("Ray streaming", []).append(result)
+        ray.close()
+        ray_why = ray.why
+    stdlib = Child("stdlib", sys.executable)
     try:
         with mp.TaskPool(1) as pool:
             runners: dict[str, Callable[[int, int], Any]] = {
-                "torch_mp_ext": lambda n, s: run_tmx(pool, gen_values, n, s),
-                "torch_mp_ext (arena-born)": lambda n, s: run_tmx(pool, gen_arena_values, n, s),
-                "mp.Pool.imap": lambda n, s: stdlib.run("mp.Pool.imap", n, s),
-                "ProcessPoolExecutor": lambda n, s: stdlib.run("ProcessPoolExecutor", n, s),
-                "Ray streaming": lambda n, s: ray.run("Ray streaming", n, s) if ray else None,
+                "torch_mp_ext": lambda n, s, w: run_tmx(pool, gen_values, n, s, w),
+                "torch_mp_ext (arena-born)":
+                    lambda n, s, w: run_tmx(pool, gen_arena_values, n, s, w),
+                "mp.Pool.imap": lambda n, s, w: stdlib.run("mp.Pool.imap", n, s, w),
+                "ProcessPoolExecutor": lambda n, s, w: stdlib.run("ProcessPoolExecutor", n, s, w),
             }
-            runners["torch_mp_ext"](20, 0)  # warm-up (the children warmed up already)
-            runners["torch_mp_ext (arena-born)"](2, BIG)
+            runners["torch_mp_ext"](20, 0, 0.0)  # warm-up (the children warmed up already)
+            runners["torch_mp_ext (arena-born)"](2, BIG, 0.0)
             for _ in range(args.rounds):
-                for key, n, size in spec:
+                for key, n, size, work in spec:
                     for name, run in runners.items():
                         if name.endswith("(arena-born)") and size == 0:
                             continue
-                        result = run(n, size)
+                        result = run(n, size, work)
                         if result is not None:
                             results.setdefault(key, {}).setdefault(name, []).append(result)
     finally:
         stdlib.close()
-        if ray is not None:
-            ray.close()
     if stdlib.why:
         raise RuntimeError(f"the standard-library contenders {stdlib.why}")
 
-    names = list(runners)
+    names = list(runners) + ["Ray streaming"]
+    if args.raw:
+        for key, by_name in results.items():
+            for name, rows in by_name.items():
+                print(f"{key:10} {name:26} per item", [fmt(r[0]) for r in rows],
+                      "first", [fmt(r[1]) for r in rows])
     header = ["workload", "metric"] + names
     print("Generator task, one worker, consumer reads each value in order: median of "
-          f"{args.rounds} (ratio: this / torch_mp_ext; higher = torch_mp_ext faster)")
-    ray_version = ray.version if ray is not None and ray.proc is not None else ray_why
+          f"{args.rounds} (ratio: this / torch_mp_ext; higher = torch_mp_ext faster; "
+          "Ray measured in a phase of its own)")
     print(f"Python {platform.python_version()}, torch {torch.__version__}, numpy "
           f"{np.__version__}, Ray {ray_version}, {os.cpu_count()} CPUs, {platform.machine()}")
     print()
@@ -289,20 +312,23 @@ def main(argv: list[str] | None = None) -> int:
 
     def cells(key: str, column: int) -> list[str]:
         base = statistics.median(r[column] for r in results[key]["torch_mp_ext"])
+        ray_line = ray_why or "n/a"
         out = []
         for name in names:
             rows = results[key].get(name)
             if rows is None:
-                out.append(ray_why if name == "Ray streaming" else "—")
+                out.append(ray_line if name == "Ray streaming" else "—")
                 continue
             med = statistics.median(r[column] for r in rows)
             out.append(fmt(med) if name == "torch_mp_ext" else f"{fmt(med)} ({med / base:.1f}x)")
         return out
 
-    labels = {"small": f"int, {args.small} items", "small x10": f"int, {args.small * 10} items",
-              "big": f"8 MB array, {args.big} items"}
-    for key, _, _ in spec:
-        if key in ("small", "big"):
+    us = f"{WORK * 1e6:.0f} µs"
+    labels = {"small": f"int, {args.small} items", "big": f"8 MB array, {args.big} items",
+              "work": f"int + {us} work, {args.work_items} items",
+              "work x10": f"int + {us} work, {args.work_items * 10} items"}
+    for key, _, _, _ in spec:
+        if not key.startswith("work"):
             print(f"| {labels[key]} | per item | " + " | ".join(cells(key, 0)) + " |")
         print(f"| {labels[key]} | first item | " + " | ".join(cells(key, 1)) + " |")
     return 0
