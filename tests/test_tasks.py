@@ -387,3 +387,25 @@ def test_large_plain_values_travel_in_a_box():
         assert pool.submit(tw.worker_arena).get(timeout=T)[0] == base + 1
         del ref
         wait_until(lambda: pool.submit(tw.worker_arena).get(timeout=T)[0] == base)
+
+
+def test_shutdown_without_waiting_finishes_the_tasks():
+    pool = mp.TaskPool(1)
+    ref = pool.submit(tw.sleep_then, 0.2, "late")
+    gen = pool.submit(tw.count, 3, num_returns="streaming")
+    pool.shutdown(wait=False)
+    assert ref.get(timeout=T) == "late"
+    assert [r.get(timeout=T) for r in gen] == [0, 1, 2]
+    pool._thread.join(T)  # the collector stops the workers once the tasks ended
+    assert not pool._thread.is_alive() and pool.pids == []
+
+
+def test_refs_travel_through_a_queue(pool):
+    ref = pool.submit(tw.fill_tensor, 1 << 15, 4.0)
+    ref.get(timeout=T)
+    q = mp.get_context("fork").Queue()
+    q.put(ref)
+    copy = q.get(timeout=T)  # a Ref copy holding its own references to the value
+    del ref
+    assert float(copy.get(timeout=T).sum()) == 4.0 * (1 << 15)
+    q.close()
