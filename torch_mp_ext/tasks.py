@@ -96,7 +96,7 @@ class TaskPool(TaskState):
 
     def __init__(self, processes: int | None = None, *, start_method: str | None = None,
                  initializer: Callable[..., Any] | None = None, initargs: tuple = ()) -> None:
-        count = os.cpu_count() or 1 if processes is None else processes
+        count = (os.cpu_count() or 1) if processes is None else processes
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"processes must be a positive integer, got {processes!r}")
         method = start_method or "forkserver"
