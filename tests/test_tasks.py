@@ -409,3 +409,31 @@ def test_refs_travel_through_a_queue(pool):
     del ref
     assert float(copy.get(timeout=T).sum()) == 4.0 * (1 << 15)
     q.close()
+
+
+_EXIT_SCRIPT = """
+import numpy as np, torch_mp_ext as mp, _task_workers as tw
+pool = mp.TaskPool(2)
+assert pool.submit(tw.add, 1, 2).get(timeout=30) == 3
+gen = pool.submit(tw.progress_counter, mp.zeros_array(2, np.int64), -1,
+                  num_returns="streaming", max_buffered=2)
+gen.next(timeout=30)
+slow = pool.submit(tw.sleep_then, 60, 1)
+print(*pool.pids)
+"""
+
+
+def test_exit_without_shutdown_terminates_the_pool():
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], env=env, timeout=60,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - t0 < 30  # not waiting for the 60 s task
+    for pid in map(int, proc.stdout.split()):
+        wait_until(lambda: not os.path.exists(f"/proc/{pid}") or
+                   open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z")

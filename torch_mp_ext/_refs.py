@@ -6,6 +6,7 @@ Ref, in any process, holds it (Note [Every Ref copy holds its value] in ``_value
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -202,7 +203,7 @@ class RefGenerator:
 
     def __del__(self) -> None:
         stream = self._stream
-        if stream is not None and not stream.finished:
+        if stream is not None and not stream.finished and not sys.is_finalizing():
             try:
                 stream.cancel()  # nobody can reach its later values any more
             except Exception:  # noqa: BLE001 (interpreter shutdown)

@@ -27,6 +27,14 @@ the consumer sends WAIT and blocks on its queue; the consumer's ``next()`` sends
 (how many it consumed) once it has caught up. Cancellation is a CANCEL the worker reads after
 each ``yield``; it closes the generator (``GeneratorExit`` at the ``yield``) and sends DONE.
 
+Note [Exit]
+A pool still running when the interpreter exits (nobody called ``shutdown()``) is terminated
+by an exit finalizer that runs before ``multiprocessing``'s: refs still owed get
+``PoolClosedError``, workers are killed (as ``multiprocessing.Pool`` terminates its daemonic
+workers), and the collector thread ends. Otherwise the interpreter would freeze that daemon
+thread wherever it was, possibly holding ``STATE``, and a RefGenerator collected later
+would wait for the lock for ever.
+
 Note [Who reads the result queue]
 A value that arrives while the caller waits for it should not need a second thread to wake
 the caller: handing the GIL from a busy collector thread to a waiting one can take the
@@ -51,7 +59,9 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
+from multiprocessing import util
 from typing import Any, Callable
 
 from . import _exits, _forkserver
@@ -76,6 +86,18 @@ __all__ = ["TaskPool"]
 
 _TASK_QUEUE_BYTES = 1 << 20
 _STOP_WAIT_S = 5.0
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def _terminate_all() -> None:
+    """At exit, before multiprocessing's own exit handler: stop pools nobody shut down."""
+    for pool in list(_live):
+        pool._terminate()
+
+
+# Priority 20: before multiprocessing terminates daemonic children (Note [Exit] below).
+util.Finalize(None, _terminate_all, exitpriority=20)
+util.register_after_fork(_live, lambda _: _live.clear())
 
 
 class TaskPool(TaskState):
@@ -127,6 +149,7 @@ class TaskPool(TaskState):
         self._thread = threading.Thread(target=self._collect, name="TaskPool-collector",
                                         daemon=True)
         self._thread.start()
+        _live.add(self)
 
     # -- public API ------------------------------------------------------------------------
     def submit(self, fn: Callable[..., Any], /, *args: Any, num_returns: int | str = 1,
@@ -230,6 +253,32 @@ class TaskPool(TaskState):
         thread = self._thread
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
+
+    def _terminate(self) -> None:
+        """Note [Exit]: fails every task still owed, kills the workers, stops the collector.
+
+        A pool not shut down when the interpreter exits is terminated like
+        ``multiprocessing.Pool``'s daemonic workers are: running tasks are not waited for
+        (``with TaskPool() as pool`` waits for them). Done before the interpreter freezes
+        the collector thread, which could otherwise hold ``STATE`` for ever.
+        """
+        with STATE:
+            if self._stopped:
+                return
+            self._closing = True
+            for task in list(self._tasks.values()):
+                self._end(task, error_value(PoolClosedError(
+                    f"the interpreter exited while task {task.tid} ({task.label}) ran, and its "
+                    "TaskPool was not shut down: use `with TaskPool() as pool:` or call "
+                    "pool.shutdown() to wait for tasks")))
+            workers = list(self._workers.values())
+        for w in workers:
+            try:
+                w.process.kill()
+            except (OSError, ValueError):
+                pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(_STOP_WAIT_S)
 
     def __enter__(self) -> TaskPool:
         return self
