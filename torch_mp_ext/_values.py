@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 import os
 import pickle
 from typing import Any, Union
@@ -42,6 +43,8 @@ from ._pickling import TAG_PICKLE, dumps, loads, release_frame
 from .errors import RemoteTaskError, with_traceback
 
 __all__ = ["ERROR", "INLINE_MAX", "VALUE", "Value", "Wire", "discard", "encode", "encode_error"]
+
+log = logging.getLogger(__name__)
 
 VALUE = 0
 ERROR = 1
@@ -182,4 +185,4 @@ def discard(wire: Wire) -> None:
         box = _C.attach(payload[0])
         release_frame(TAG_PICKLE, bytes(memoryview(box)[: payload[1]]))
     except Exception:  # noqa: BLE001 (as for a dropped queue frame: the reference stays)
-        pass
+        log.debug("could not release the references of a dropped task value", exc_info=True)

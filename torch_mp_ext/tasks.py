@@ -55,6 +55,7 @@ into ref k as well. ``"dynamic"`` and ``"streaming"`` have no count to match.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -83,6 +84,8 @@ from .errors import PoolClosedError, TaskCancelledError
 from .queues import Queue
 
 __all__ = ["TaskPool"]
+
+log = logging.getLogger(__name__)
 
 _TASK_QUEUE_BYTES = 1 << 20
 _STOP_WAIT_S = 5.0
@@ -276,7 +279,7 @@ class TaskPool(TaskState):
             try:
                 w.process.kill()
             except (OSError, ValueError):
-                pass
+                log.debug("worker %s was already gone", w.pid)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(_STOP_WAIT_S)
 
@@ -316,7 +319,7 @@ class TaskPool(TaskState):
             try:
                 w.tasks.put((W.STOP,), timeout=1.0)
             except Exception:  # noqa: BLE001 (full or closed: it is killed below)
-                pass
+                log.debug("could not ask worker %s to stop; it will be killed", w.pid)
         deadline = time.monotonic() + _STOP_WAIT_S
         for w in workers:
             w.process.join(max(0.0, deadline - time.monotonic()))
