@@ -444,3 +444,9 @@ def test_exit_without_shutdown_terminates_the_pool():
 
     for pid in map(int, proc.stdout.split()):
         wait_until(lambda pid=pid: gone(pid))
+
+
+def test_dependencies_deep_in_containers(pool):
+    slow = pool.submit(tw.sleep_then, 0.2, 7)
+    nested = pool.submit(tw.identity, {"a": [(slow,)]}).get(timeout=T)
+    assert nested["a"][0][0].get(timeout=T) == 7

@@ -109,8 +109,9 @@ class Ref:
         value = self._entry.value
         if value is None:
             raise ValueError(
-                f"{self!r} is not ready, so it cannot be pickled: pass it to "
-                "TaskPool.submit (which waits for it), or get() it first")
+                f"{self!r} is not ready, so it cannot be pickled yet: pass it to "
+                "TaskPool.submit as an argument (alone or in lists, tuples and dicts: the "
+                "task waits for it), or wait for it (get(), ready()) before pickling it")
         return (_rebuild_ref, (self._entry.oid, value.to_wire()))
 
     def __repr__(self) -> str:

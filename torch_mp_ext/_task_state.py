@@ -88,17 +88,23 @@ def parse_num_returns(num_returns: int | str) -> tuple:
 
 
 def pending_refs(args: tuple, kwargs: dict) -> list[_Entry]:
-    """Entries of the not-yet-ready refs among the arguments (and one level inside lists,
-    tuples and dicts): the task waits for them (call with STATE held)."""
+    """Entries of the not-yet-ready refs among the arguments, inside lists, tuples and dicts
+    at any depth: the task waits for them (call with STATE held)."""
     found: list[_Entry] = []
-    for arg in itertools.chain(args, kwargs.values()):
-        inner = arg.values() if isinstance(arg, dict) else arg if isinstance(
-            arg, (list, tuple)) else (arg,)
-        for obj in inner:
-            if isinstance(obj, Ref) and obj._entry.value is None:
+    todo: list[Any] = [*args, *kwargs.values()]
+    seen: set[int] = set()
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, Ref):
+            if obj._entry.value is None:
                 found.append(obj._entry)
-            elif isinstance(obj, RefGenerator) and obj._stream is not None:
+        elif isinstance(obj, (list, tuple, dict)) and id(obj) not in seen:
+            seen.add(id(obj))
+            todo.extend(obj.values() if isinstance(obj, dict) else obj)
+        elif isinstance(obj, RefGenerator):
+            if obj._stream is not None:
                 obj.__reduce__()  # raises TypeError naming the fix
+            todo.extend(obj._refs)
     return found
 
 
