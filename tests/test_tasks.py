@@ -450,3 +450,18 @@ def test_dependencies_deep_in_containers(pool):
     slow = pool.submit(tw.sleep_then, 0.2, 7)
     nested = pool.submit(tw.identity, {"a": [(slow,)]}).get(timeout=T)
     assert nested["a"][0][0].get(timeout=T) == 7
+
+
+def test_worker_killed_right_after_yielding_a_tensor():
+    # The caller may or may not have mapped the new segment before the worker died: the
+    # value is then readable, or its ref says it was lost; the pool goes on either way.
+    with mp.TaskPool(1) as pool:
+        for _ in range(3):
+            gen = pool.submit(tw.yield_tensor_then_die, num_returns="streaming")
+            try:
+                assert float(gen.next(timeout=T).get(timeout=T).sum()) == 1 << 20
+            except WorkerDiedError as e:
+                assert "is lost" in str(e)
+            with pytest.raises(WorkerDiedError, match="SIGKILL"):
+                gen.next(timeout=T)
+        assert pool.submit(tw.add, 1, 2).get(timeout=T) == 3

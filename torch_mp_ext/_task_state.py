@@ -6,6 +6,7 @@ worker message does to them (Note [Task protocol] in ``tasks.py``). Everything h
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing.connection
 import queue
 from collections import deque
@@ -21,6 +22,7 @@ from .queues import Queue
 
 __all__ = ["TaskState", "error_value", "next_tid", "parse_num_returns", "pending_refs"]
 
+log = logging.getLogger("torch_mp_ext.tasks")
 _TIDS = itertools.count(1)
 next_tid = _TIDS.__next__
 
@@ -160,10 +162,16 @@ class TaskState:
                 msgs = self._results.get_many(256, block=False)
             except queue.Empty:
                 break
-            for msg in msgs:
-                self._on_message(msg)
+            self._handle(msgs)
         for sentinel in dead:
             self._on_death(sentinels[sentinel])
+
+    def _handle(self, msgs: list) -> None:
+        for msg in msgs:
+            try:
+                self._on_message(msg)
+            except Exception:  # noqa: BLE001 (a bug: the pool must keep reading)
+                log.exception("TaskPool could not handle a worker message %.200r", msg)
 
     def _on_message(self, msg: tuple) -> None:
         tag, wid = msg[0], msg[1]
@@ -181,7 +189,7 @@ class TaskState:
             if task is None or task.cancelled:
                 discard(msg[4])
                 return
-            value, index = Value.from_wire(msg[4]), msg[3]
+            value, index = self._read(msg[4], wid, task, msg[3]), msg[3]
             task.produced = index + 1
             if task.mode == W.MODE_DYNAMIC:
                 task.items.append(value)
@@ -200,11 +208,26 @@ class TaskState:
                     discard(error)
                 return
             task.produced = msg[3]
-            self._end(task, Value.from_wire(error) if error is not None else None,
+            self._end(task, self._read(error, wid, task, msg[3]) if error is not None else None,
                       cancelled=msg[5] == W.FLAG_CANCELLED)
         elif tag == W.WAIT and task is not None and task.stream is not None:
             task.stream.waiting = True
             task.stream.credit()
+
+    def _read(self, wire: Any, wid: int, task: _Task, index: int) -> Value:
+        """The Value of a wire; if its memory cannot be mapped here (its worker died before
+        this process first met its segment: nobody can hand out the fd any more), an error
+        value saying so, in its place."""
+        try:
+            return Value.from_wire(wire)
+        except Exception as e:  # noqa: BLE001 (OSError from the fd fetch, CorruptSegmentError)
+            worker = self._workers.get(wid)
+            pid = worker.pid if worker is not None else None
+            return error_value(WorkerDiedError(
+                f"value {index} of task {task.tid} ({task.label}) is lost: its worker (pid "
+                f"{pid}) died before this process could map the shared memory holding it "
+                f"({type(e).__name__}: {e}). Values the caller received before a worker's "
+                "death stay readable; this one arrived as the worker died.", pid))
 
     # -- task state (all with STATE held) ---------------------------------------------------
     def _make_ready(self, task: _Task) -> None:

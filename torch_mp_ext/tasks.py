@@ -363,8 +363,7 @@ class TaskPool(TaskState):
         except (queue.Empty, ValueError):  # nothing, or closed: the pool stopped
             return
         with STATE:
-            for msg in msgs:
-                self._on_message(msg)
+            self._handle(msgs)
             self._dispatch()
             STATE.notify_all()
 
