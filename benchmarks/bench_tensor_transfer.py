@@ -57,16 +57,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--sizes", default=",".join(SIZES), help="from " + ",".join(SIZES))
+    parser.add_argument("--warmups", type=int, default=2,
+                        help="untimed 4 KB hand-offs before each trial (Note [Warm hand-offs] "
+                             "in torch_mp_ext/_handoff_worker.py); 0 measures cold caches")
     parser.add_argument("--transport", choices=["simple", "queue"], default="simple",
                         help="simple: each library's SimpleQueue (a pipe, pickled in the "
                              "caller's thread); queue: each library's Queue")
     args = parser.parse_args()
     sizes = [SIZES[s] for s in args.sizes.split(",")]
     print(f"Tensor hand-off, put() until the consumer holds it: median of {args.repeats} "
-          f"(transport: {args.transport})")
+          f"(transport: {args.transport}, {args.warmups} warm-up hand-offs per trial)")
     print(f"Python {platform.python_version()}, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, {platform.machine()}")
     results = _handoff.run_handoff(sizes, args.repeats, transport=args.transport,
+                                   warmups=args.warmups,
                                    progress=lambda i, n: print(f"round {i}/{n}",
                                                                file=sys.stderr, flush=True))
     print()

@@ -60,6 +60,10 @@ from .array_queue import ArrayQueue  # noqa: E402
 # binds them to its own): mp.Process, mp.Queue, mp.get_context(...), ...
 globals().update((name, getattr(_default_context, name)) for name in _stdlib_mp.__all__)
 
+# Tasks (docs/tasks.md): attributes, not in __all__, which stays torch.multiprocessing's.
+from ._refs import Ref, RefGenerator, get, wait  # noqa: E402
+from .tasks import TaskPool  # noqa: E402
+
 __all__ = [
     "set_sharing_strategy",
     "get_sharing_strategy",

@@ -92,6 +92,7 @@ def run_handoff(
     variants: list[Variant] = VARIANTS,
     transport: str = "simple",
     progress=None,
+    warmups: int = 2,
 ) -> Results:
     """Runs interleaved trials: for each repeat, every size, every variant, one hand-off."""
     libs = sorted({v.lib for v in variants})
@@ -109,7 +110,7 @@ def run_handoff(
                     seq += 1
                     answer = sides[v.lib].ask(
                         {"op": "trial", "variant": v.variant, "strategy": v.strategy,
-                         "nbytes": nbytes, "seq": seq}
+                         "nbytes": nbytes, "seq": seq, "warmups": warmups}
                     )
                     if not answer["ok"]:
                         results.failures.append((v.label, nbytes))

@@ -7,6 +7,14 @@ replace torch's. It reads JSON commands on stdin, one trial each, and answers on
 Hand-off time: from just before ``put()`` until the consumer holds the object (``get()``
 returned), both read from CLOCK_MONOTONIC. The consumer acknowledges, then reads every byte
 (a float64 sum) and the producer checks the sum, so a lazy or wrong transfer fails loudly.
+
+Note [Warm hand-offs]
+Filling a large tensor right before ``put()`` evicts the CPU caches of both processes (they
+share the last-level cache): right after a 128 MB fill, even a 4 KB hand-off costs about
+0.5 ms instead of 0.08 ms here, whatever the library. Each timed trial is therefore preceded
+by ``warmups`` untimed hand-offs of a 4 KB object of the same library and kind, so the clock
+measures the hand-off itself rather than cache refills caused by making the data;
+``--warmups 0`` measures the cold case.
 """
 
 import json
@@ -102,6 +110,12 @@ def main():
             mp.set_sharing_strategy(cmd["strategy"])
         value = float(cmd["seq"] % 100 + 1)
         item = make_item(lib, cmd["variant"], cmd["nbytes"], value)
+        for _ in range(cmd.get("warmups", 0)):  # Note [Warm hand-offs]
+            warm = make_item(lib, cmd["variant"], 4096, 1.0)
+            q.put(warm)
+            acks.get()
+            acks.get()
+            del warm
         start = time.perf_counter()
         q.put(item)
         received = acks.get()

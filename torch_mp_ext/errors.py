@@ -11,6 +11,7 @@ Exceptions that cross process boundaries pickle, and carry the remote traceback 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno as _errno
 import traceback
@@ -30,6 +31,13 @@ __all__ = [
     "CudaSharingWarning",
     "QueueClosedError",
     "PipelineError",
+    "TaskError",
+    "RemoteTaskError",
+    "ReturnCountError",
+    "WorkerDiedError",
+    "TaskCancelledError",
+    "GetTimeoutError",
+    "PoolClosedError",
     "ProcessException",
     "ProcessRaisedException",
     "ProcessExitedException",
@@ -110,6 +118,74 @@ class InvalidSharingStrategyError(TorchMPExtError, ValueError, AssertionError):
 class ChannelClosedError(TorchMPExtError, EOFError):
     """A :class:`~torch_mp_ext.StateDictChannel` (or an exchanger on it) was closed: no
     newer version will come, or no version may be published any more."""
+
+
+class TaskError(TorchMPExtError):
+    """Base class of the errors a :class:`~torch_mp_ext.TaskPool` puts in a task's refs."""
+
+
+class RemoteTaskError(TaskError, RuntimeError):
+    """A task raised an exception that could not be pickled back: its type name and the
+    worker's formatted traceback travel as text (``traceback``)."""
+
+    def __init__(self, message: str, traceback_text: str = "") -> None:
+        super().__init__(message, traceback_text)
+        self.traceback = traceback_text
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ReturnCountError(TaskError, ValueError):
+    """A task produced another number of values than ``num_returns`` asked for.
+
+    Attributes:
+        expected: ``num_returns``.
+        produced: how many values it produced (for too many: how many it had yielded when
+            the pool stopped it, ``expected + 1``).
+    """
+
+    def __init__(self, message: str, expected: int, produced: int) -> None:
+        super().__init__(message, expected, produced)
+        self.expected = expected
+        self.produced = produced
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class WorkerDiedError(TaskError, RuntimeError):
+    """The worker process running a task died (a signal, ``os._exit``, the OOM killer).
+
+    Attributes:
+        pid: the worker's pid.
+        exit_code: its exit code, negative for a signal.
+        signal_name: the signal's name (``"SIGKILL"``), or ``None``.
+    """
+
+    def __init__(self, message: str, pid: int | None = None, exit_code: int | None = None,
+                 signal_name: str | None = None) -> None:
+        super().__init__(message, pid, exit_code, signal_name)
+        self.pid = pid
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class TaskCancelledError(TaskError, concurrent.futures.CancelledError):
+    """The task was cancelled (``RefGenerator.cancel()``, or ``shutdown(cancel_pending=True)``)
+    before it produced this value."""
+
+
+class GetTimeoutError(TaskError, TimeoutError):
+    """``get``/``next`` with a ``timeout`` found no value in time (the task goes on)."""
+
+
+class PoolClosedError(TaskError, RuntimeError):
+    """``submit`` on a :class:`~torch_mp_ext.TaskPool` that was shut down, or a task that the
+    shutdown stopped before it ran."""
 
 
 class CudaSharingWarning(RuntimeWarning):

@@ -17,37 +17,51 @@
 
 namespace torch_mp_ext {
 
-uint64_t process_start_time(pid_t pid) {
+namespace {
+
+/// State letter (field 3) and start time (field 22) of /proc/<pid>/stat; false if unreadable.
+bool read_stat(pid_t pid, char* state, uint64_t* start_time) {
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
   UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) return 0;
+  if (!fd.valid()) return false;
   char buf[1024];
   ssize_t n;
   do {
     n = ::read(fd.get(), buf, sizeof(buf) - 1);
   } while (n < 0 && errno == EINTR);
-  if (n <= 0) return 0;
+  if (n <= 0) return false;
   buf[n] = '\0';
-  // The command name (field 2) may contain spaces and ')' : fields restart after the last ')'.
+  // The command name (field 2) may contain spaces and ')': fields restart after the last ')'.
   char* p = std::strrchr(buf, ')');
-  if (p == nullptr) return 0;
-  p += 2;  // skip ") ", now at field 3 (state)
+  if (p == nullptr || p[1] == '\0') return false;
+  p += 2;  // field 3 (state)
+  *state = *p;
   for (int field = 3; field < 22 && *p; ++field) {
     p = std::strchr(p, ' ');
-    if (p == nullptr) return 0;
+    if (p == nullptr) return false;
     ++p;
   }
-  return std::strtoull(p, nullptr, 10);
+  *start_time = std::strtoull(p, nullptr, 10);
+  return true;
+}
+
+}  // namespace
+
+uint64_t process_start_time(pid_t pid) {
+  char state = 0;
+  uint64_t start = 0;
+  return read_stat(pid, &state, &start) ? start : 0;
 }
 
 bool process_alive(pid_t pid, uint32_t start_time_low32) {
   if (pid <= 0) return false;
   if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
-  if (start_time_low32 == 0) return true;
-  uint64_t st = process_start_time(pid);
-  if (st == 0) return false;  // vanished between kill() and the read, or a zombie being reaped
-  return static_cast<uint32_t>(st) == start_time_low32;
+  char state = 0;
+  uint64_t start = 0;
+  if (!read_stat(pid, &state, &start)) return false;  // vanished meanwhile
+  if (state == 'Z' || state == 'X') return false;     // exited, not yet reaped: holds nothing
+  return start_time_low32 == 0 || static_cast<uint32_t>(start) == start_time_low32;
 }
 
 uint64_t pid_namespace_id() {

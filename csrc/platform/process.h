@@ -11,8 +11,9 @@ namespace torch_mp_ext {
 /// Start time of `pid` in clock ticks since boot (/proc/<pid>/stat field 22); 0 if unknown.
 uint64_t process_start_time(pid_t pid);
 
-/// True if `pid` exists and, when `start_time_low32` != 0, started at that time (low 32 bits),
-/// so a recycled pid does not count as the same process.
+/// True if `pid` is running (a zombie is not: it holds nothing any more) and, when
+/// `start_time_low32` != 0, started at that time (low 32 bits), so a recycled pid does not
+/// count as the same process.
 bool process_alive(pid_t pid, uint32_t start_time_low32 = 0);
 
 /// Identity of this process's pid namespace (inode of /proc/self/ns/pid); 0 if unknown.
