@@ -274,8 +274,8 @@ def table(workload: str, variants: List[str], results: Dict[str, List[Dict[str, 
         lines.append(f"| {v} | {medians[v]:.3f}{mark} | {ratio:.2f}x | {sums[v]:.6f} |")
     same = all(r["sum"] == sums["serial"] for v in variants for r in results[v])
     lines.append("")
-    lines.append(f"vs {reference}: its time divided into each variant's (above 1: slower than "
-                 f"it). All sums equal: {'yes' if same else 'NO'}.")
+    lines.append(f"vs {reference}: each variant's time divided by {reference}'s (above 1: "
+                 f"slower than it). All sums equal: {'yes' if same else 'NO'}.")
     return lines
 
 
