@@ -96,3 +96,35 @@ def test_empty_cache_returns_memory():
     del t
     assert mp.empty_cache() >= 4 << 20
     assert mp.memory_stats()["cached_free_bytes"] == 0
+
+
+def test_numpy_arrays_born_in_blocks_are_sent_without_copies():
+    # Note [Arrays born shared]: numpy's handler for this thread only, 64 KiB and up.
+    import gc
+    import threading
+
+    from torch_mp_ext import _memory
+    from torch_mp_ext._pickling import dumps, loads
+
+    assert _memory.numpy_in_blocks(True)
+    try:
+        big, small = np.ones((256, 1024)), np.ones(10)
+        assert mp.is_shared(big) and not mp.is_shared(small)
+        zeros = np.zeros((300, 1000))  # calloc: zero even in a recycled block
+        assert mp.is_shared(zeros) and not zeros.any()
+        grown = np.fromiter(range(100_000), dtype=np.float64)  # realloc while it grows
+        assert mp.is_shared(grown) and grown.sum() == sum(range(100_000))
+        received = loads(dumps(big))
+        assert received.__array_interface__["data"][0] == big.__array_interface__["data"][0]
+        other = []
+        thread = threading.Thread(target=lambda: other.append(mp.is_shared(np.ones((256, 1024)))))
+        thread.start()
+        thread.join(30)
+        assert other == [False]  # numpy's handler is per thread (context)
+        assert _C.numpy_allocator_blocks() == 3
+    finally:
+        assert _memory.numpy_in_blocks(False)
+    assert not mp.is_shared(np.ones((256, 1024)))
+    del big, zeros, grown, received
+    gc.collect()
+    assert _C.numpy_allocator_blocks() == 0

@@ -318,6 +318,25 @@ def test_a_tensor_never_taken_is_freed_with_the_queue():
     assert live_blocks() == before
 
 
+def test_a_put_that_does_not_happen_frees_the_blocks_it_pickled():
+    # An ordinary array is copied into a block for the message: a put that times out (or a
+    # put_many that does not fit) must drop that block again (Note [Failed puts]).
+    def live_blocks():
+        gc.collect()
+        return _C.arena_stats()["live_blocks"]
+
+    q = Queue(maxsize=1)
+    q.put(0)
+    before = live_blocks()
+    array = np.ones(100_000)
+    for _ in range(3):
+        with pytest.raises(queue.Full):
+            q.put(array, timeout=0.01)
+        with pytest.raises(queue.Full):
+            q.put_many([{"a": array}], block=False)
+    assert live_blocks() == before
+
+
 def test_items_put_by_exited_children_are_freed_by_the_last_holder():
     ctx = mp.get_context("fork")
     q = ctx.Queue()

@@ -53,6 +53,8 @@ from .spawn import (  # noqa: E402  (the function shadows the submodule, as in t
 )
 from ._forkserver import start_forkserver  # noqa: E402
 from .launch import launch  # noqa: E402
+from .pipeline import Pipeline, Stage, pipeline, stage  # noqa: E402
+from .array_queue import ArrayQueue  # noqa: E402
 
 # The standard library's names, bound to torch_mp_ext's default context (as multiprocessing
 # binds them to its own): mp.Process, mp.Queue, mp.get_context(...), ...

@@ -37,6 +37,7 @@ __all__ = [
     "move_storage_",
     "in_block",
     "can_swap",
+    "numpy_in_blocks",
 ]
 
 _move_lock = threading.Lock()
@@ -93,6 +94,37 @@ def move_storage_(storage: torch.UntypedStorage) -> torch.UntypedStorage:
         storage._swap_data_ptr_(fresh)
         del fresh  # now holds the old memory: free it
     return storage
+
+
+def _numpy_array_api() -> Optional[object]:
+    """numpy's C-API capsule, where numpy has memory handlers (NEP 49, numpy >= 1.22)."""
+    if np.lib.NumpyVersion(np.__version__) < "1.22.0":
+        return None
+    import importlib
+
+    for name in ("numpy._core._multiarray_umath", "numpy.core._multiarray_umath"):
+        try:
+            return importlib.import_module(name)._ARRAY_API
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def numpy_in_blocks(enable: bool = True) -> bool:
+    """Makes numpy allocate this thread's arrays of 64 KiB or more in arena blocks (or stops).
+
+    Note [Arrays born shared] in ``csrc/shm/block_allocator.h``: such an array crosses to
+    another process as a handle, without the copy an array in private memory costs. numpy's
+    handler is per context, so only the calling thread (and contexts copied from it) is
+    affected. Returns False, changing nothing, where numpy has no memory handlers.
+    """
+    api = _numpy_array_api()
+    if api is None:
+        return False
+    from .reductions import NUMPY_MIN_SHARED_BYTES
+
+    _C.set_numpy_allocator(api, enable, max(NUMPY_MIN_SHARED_BYTES, 1))
+    return True
 
 
 def _release_at_exit() -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "ChannelClosedError",
     "CudaSharingWarning",
     "QueueClosedError",
+    "PipelineError",
     "TaskError",
     "RemoteTaskError",
     "ReturnCountError",
@@ -71,6 +72,43 @@ class PeerDiedError(TorchMPExtError, RuntimeError):
 class QueueClosedError(TorchMPExtError, ValueError):
     """An operation on a queue object that was closed in this process (``multiprocessing``
     raises ``ValueError`` there, so this is one)."""
+
+
+class PipelineError(TorchMPExtError, RuntimeError):
+    """A stage of a :func:`~torch_mp_ext.pipeline` failed: it raised, or its process died.
+
+    When the stage raised, ``__cause__`` is its exception (itself caused by a
+    :class:`RemoteTraceback` holding the stage's stack); when it died, the message says how
+    (the signal, and what it usually means) and ``__cause__`` is None.
+
+    Attributes:
+        stage: the stage's name (its function's ``__qualname__``, or ``"source"``).
+        position: 0 for the source, 1 for the first stage, and so on.
+        worker: which of the stage's ``workers`` processes failed (0 when it has one).
+        pid: that process's pid (this process's for a source iterated here).
+        exit_code: ``Process.exitcode`` of a process that died (negative: the signal), else None.
+        signal_name: the signal's name (``"SIGKILL"``) when a signal ended it, else None.
+    """
+
+    def __init__(self, message: str, *, stage: str = "", position: int = 0, worker: int = 0,
+                 pid: int | None = None, exit_code: int | None = None,
+                 signal_name: str | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.position = position
+        self.worker = worker
+        self.pid = pid
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild_pipeline_error, (self.args[0] if self.args else "", self.__dict__))
+
+
+def _rebuild_pipeline_error(message: str, state: dict) -> PipelineError:
+    err = PipelineError(message)
+    err.__dict__.update(state)
+    return err
 
 
 class InvalidSharingStrategyError(TorchMPExtError, ValueError, AssertionError):

@@ -30,6 +30,11 @@ back to the arena with its last block reference. A SIGKILLed process stays a hol
 any block it held (Note [Process exit] in ``_memory.py``), its queues are reclaimed when the
 segment's owner exits.
 
+Note [Failed puts]
+Each block handle in a pickled item holds a counted reference (an array copied into a block
+for the message has no other owner). A put that does not happen (``queue.Full``, a timeout,
+Ctrl-C) drops them with the frame (Note [Releasing dropped frames] in ``_pickling.py``).
+
 Note [Rings are anonymous]
 A queue's ring is an anonymous arena block whatever the sharing strategy: the strategy is
 about what each *tensor* costs (an fd or a ``/dev/shm`` name), while a ring is one segment
@@ -208,9 +213,14 @@ class _RingQueue:
                 raise
         if len(data) > self._max_payload:
             raise self._oversize(obj, len(data))
-        status = self._ring.put(data, tag, -1.0 if block and timeout is None
-                                else _timeout(block, timeout))
+        try:
+            status = self._ring.put(data, tag, -1.0 if block and timeout is None
+                                    else _timeout(block, timeout))
+        except BaseException:  # Ctrl-C while waiting: nothing was put
+            release_frame(tag, data)
+            raise
         if status:
+            release_frame(tag, data)  # Note [Failed puts]
             self._raise(status)
 
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
@@ -263,7 +273,13 @@ class _RingQueue:
             raise self._oversize(obj, len(data))
         if not payloads:
             return
-        status = self._ring.put_many(payloads, None, _timeout(block, timeout))
+        status = -1
+        try:
+            status = self._ring.put_many(payloads, None, _timeout(block, timeout))
+        finally:
+            if status:  # Note [Failed puts]
+                for data in payloads:
+                    release_frame(0, data)
         if status:
             self._raise(status)
 
@@ -284,6 +300,19 @@ class _RingQueue:
         if tags is None:
             return [loads(p) for p in payloads]
         return [decode(tag, p) for tag, p in zip(tags, payloads)]
+
+    def _put_frame(self, data: bytes, timeout: float) -> bool:
+        """Puts an item pickled by ``_pickling.dumps`` (at most ``max_bytes - 8`` bytes),
+        waiting at most ``timeout`` s; False if there was no room, the frame and its
+        references staying the caller's (pipelines pickle once, retry in slices)."""
+        if self._closed:
+            self._check_closed()
+        status = self._ring.put(data, 0, timeout)
+        if status in (_FULL, _TIMEOUT):
+            return False
+        if status:
+            self._raise(status)
+        return True
 
     def qsize(self) -> int:
         """Items in the queue now (exact at the moment it was read)."""

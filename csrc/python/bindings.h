@@ -11,5 +11,6 @@ void init_ipc(pybind11::module_& m);
 void init_platform(pybind11::module_& m);
 void init_exchange(pybind11::module_& m);
 void init_queue(pybind11::module_& m);
+void init_numpy(pybind11::module_& m);
 
 }  // namespace torch_mp_ext::python

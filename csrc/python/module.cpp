@@ -20,4 +20,5 @@ PYBIND11_MODULE(_C, m) {
   torch_mp_ext::python::init_ipc(m);
   torch_mp_ext::python::init_exchange(m);
   torch_mp_ext::python::init_queue(m);
+  torch_mp_ext::python::init_numpy(m);
 }
