@@ -18,7 +18,7 @@ import multiprocessing
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.multiprocessing
 
@@ -138,7 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     results: Dict[Tuple[int, str], List[float]] = {}
     for _ in range(args.rounds):
-        for r, (name, mode, item, n, batched) in enumerate(rows):
+        for r, (_name, _mode, item, n, batched) in enumerate(rows):
             for lib in libs:
                 # Queues without a batch API move the batch workload one item at a time.
                 use_batches = batched and has_batches(lib)
@@ -147,7 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     header = ["items", "mode"] + libs + ["vs mp.Queue"] + (["vs faster-fifo"] if
                                                              "faster-fifo" in libs else [])
     table = []
-    for r, (name, mode, item, n, batched) in enumerate(rows):
+    for r, (name, mode, _item, _n, batched) in enumerate(rows):
         med = {lib: statistics.median(results[(r, lib)]) for lib in libs}
         line = [name, mode] + [fmt_rate(med[lib]) + ("*" if batched and not has_batches(lib)
                                                      else "") for lib in libs]

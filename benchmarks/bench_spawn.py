@@ -28,7 +28,7 @@ import torch
 import torch.multiprocessing as torch_mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_mp_ext as tmx  # noqa: E402
+import torch_mp_ext as tmx
 
 VARIANTS = {
     "torch.mp.spawn": lambda n: torch_mp.spawn(tiny_op, nprocs=n),

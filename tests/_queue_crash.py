@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import queue
 import random
 import select
 import signal
@@ -18,6 +17,7 @@ import sys
 import time
 
 import _queue_workers as workers
+
 import torch_mp_ext as mp
 
 SIZES = [16, 60_000, 200, 3_000, 90_000]  # big frames: long copies under the lock

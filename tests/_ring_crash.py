@@ -9,6 +9,7 @@ import multiprocessing
 import sys
 
 import _queue_workers as workers
+
 from torch_mp_ext import _C, _memory
 
 

@@ -6,7 +6,6 @@ import os
 import signal
 import time
 
-import numpy as np
 import torch
 
 import torch_mp_ext as mp

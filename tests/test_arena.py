@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import _workers
 import numpy as np
 import pytest
 import torch
 
 import torch_mp_ext as mp
 from torch_mp_ext import _C
-
-import _workers
 
 
 def test_empty_and_zeros_shapes_dtypes_and_grad():

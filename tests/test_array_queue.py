@@ -7,11 +7,11 @@ import gc
 import pickle
 import queue
 
+import _pipeline_workers as w
 import numpy as np
 import pytest
 import torch
 
-import _pipeline_workers as w
 import torch_mp_ext as mp
 
 T = 30  # every blocking call here has a timeout

@@ -68,7 +68,8 @@ def test_shapes_dtypes_and_keys_are_fixed_by_the_template():
     with pytest.raises(ValueError, match=r"state_dict\['w'\] is torch.float32 of shape \(3, 4\)"):
         ch.publish(bad_shape)
     bad_dtype = dict(filled(small_template(), 1), b=torch.zeros(3))
-    with pytest.raises(ValueError, match=r"state_dict\['b'\] is torch.float32.*holds torch.float64"):
+    message = r"state_dict\['b'\] is torch.float32.*holds torch.float64"
+    with pytest.raises(ValueError, match=message):
         ch.publish(bad_dtype)
     missing = filled(small_template(), 1)
     del missing["n"]

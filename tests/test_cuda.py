@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 
+import _cuda_workers
 import pytest
 import torch
 
 import torch_mp_ext as mp
 import torch_mp_ext.cuda
-
-import _cuda_workers
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -143,9 +142,8 @@ def test_many_sends_leak_no_gpu_memory(ctx):
 
 
 def test_mixed_dtypes_from_one_allocation_and_empty_tensors(ctx):
-    from multiprocessing.reduction import ForkingPickler
-
     import pickle
+    from multiprocessing.reduction import ForkingPickler
 
     block = torch.zeros(64, dtype=torch.uint8, device="cuda")
     floats = block[:32].view(torch.float32)

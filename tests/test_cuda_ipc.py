@@ -12,6 +12,7 @@ import os
 import signal
 import time
 
+import _cuda_workers
 import pytest
 import torch
 
@@ -20,8 +21,6 @@ import torch_mp_ext.cuda
 from torch_mp_ext import _C, _cuda_ipc, reductions
 from torch_mp_ext._cuda_backend import TorchCuda
 from torch_mp_ext._cuda_lender import settings
-
-import _cuda_workers
 
 
 @pytest.fixture

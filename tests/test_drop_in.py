@@ -54,7 +54,8 @@ def test_get_context_returns_ours_for_every_start_method():
 
 
 def test_start_method_is_the_stdlib_switch():
-    assert mp.get_start_method(allow_none=True) == multiprocessing.get_start_method(allow_none=True)
+    ours = mp.get_start_method(allow_none=True)
+    assert ours == multiprocessing.get_start_method(allow_none=True)
     assert mp.get_all_start_methods() == multiprocessing.get_all_start_methods()
 
 

@@ -215,7 +215,7 @@ def test_learner_and_two_collectors_train_and_exchange():
     assert published == list(range(len(published)))
     assert merged == sorted((i, s, k) for i in range(2) for s in range(w.STEPS) for k in range(3))
     assert (env_step, env_episode) == (2 * w.STEPS * 10, 2 * w.STEPS)
-    for _, index, loads, train_iters in (r for r in results if r[0] == "collector"):
+    for _, _index, loads, train_iters in (r for r in results if r[0] == "collector"):
         versions = [v for v, _ in loads]
         assert len(loads) == w.STEPS - 1  # every step but the first loaded a newer model
         assert versions == sorted(set(versions)) and set(versions) <= set(published)
@@ -234,7 +234,7 @@ def test_periodical_exchange_across_processes():
     results = run_children(ctx, procs, out)
     (_, sent), = [r for r in results if r[0] == "sender"]
     assert sent == list(range(0, 40, period))
-    for _, index, steps in (r for r in results if r[0] == "receiver"):
+    for _, _index, steps in (r for r in results if r[0] == "receiver"):
         loads = [loaded for loaded, _, _ in steps if loaded is not None]
         assert len(loads) > 5 and loads == sorted(set(loads)) and set(loads) <= set(sent)
         assert any(loaded is None and s == stale for loaded, s, _ in steps[1:])  # reused

@@ -11,11 +11,11 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import _spawn_workers as w
-import torch_mp_ext as mp
+import pytest
 from test_spawn import get, join_within, start
+
+import torch_mp_ext as mp
 from torch_mp_ext import _forkserver
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

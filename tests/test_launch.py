@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
 import _spawn_workers as w
-import torch_mp_ext as mp
+import pytest
 from test_spawn import get, join_within
+
+import torch_mp_ext as mp
 from torch_mp_ext.launch import free_port
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import signal
@@ -11,14 +10,12 @@ import sys
 import textwrap
 import time
 
+import _workers
 import pytest
 import torch
+from conftest import shm_entries
 
 import torch_mp_ext as mp
-from torch_mp_ext import _C
-
-import _workers
-from conftest import shm_entries
 
 
 @pytest.fixture

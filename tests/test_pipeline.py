@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import _thread
 import contextlib
-import importlib
 import functools
 import gc
+import importlib
 import os
 import pickle
 import signal
 import threading
 import time
 
+import _pipeline_workers as w
 import pytest
 import torch
 
-import _pipeline_workers as w
 import torch_mp_ext as mp
 from torch_mp_ext.errors import PipelineError, RemoteTraceback
 

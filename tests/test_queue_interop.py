@@ -7,12 +7,11 @@ import gc
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-import numpy as np
+import _queue_workers as workers
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import _queue_workers as workers
 import torch_mp_ext as mp
 from torch_mp_ext.queues import Queue, SimpleQueue
 

@@ -10,11 +10,11 @@ import threading
 import time
 from collections import Counter, defaultdict
 
+import _queue_workers as workers
 import numpy as np
 import pytest
 import torch
 
-import _queue_workers as workers
 import torch_mp_ext as mp
 from torch_mp_ext import _C
 from torch_mp_ext.errors import QueueClosedError
@@ -159,7 +159,7 @@ def test_close_wakes_a_thread_blocked_in_get():
     def blocked():
         try:
             q.get(timeout=T)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (the test asserts which)
             errors.append(exc)
 
     t = threading.Thread(target=blocked)

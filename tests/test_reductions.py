@@ -6,13 +6,12 @@ import pickle
 import warnings
 from multiprocessing.reduction import ForkingPickler
 
+import _workers
 import numpy as np
 import pytest
 import torch
 
 import torch_mp_ext as mp
-
-import _workers
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,

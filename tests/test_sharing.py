@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import _workers
 import pytest
 import torch.multiprocessing as torch_mp
 
 import torch_mp_ext as mp
 from torch_mp_ext.errors import InvalidSharingStrategyError
-
-import _workers
 
 
 @pytest.fixture(autouse=True)

@@ -10,9 +10,9 @@ import sys
 import tempfile
 import time
 
+import _spawn_workers as w
 import pytest
 
-import _spawn_workers as w
 import torch_mp_ext as mp
 from torch_mp_ext.errors import ProcessException, RemoteTraceback
 

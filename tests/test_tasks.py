@@ -59,10 +59,10 @@ def test_num_returns_set_by_executor_dynamic(pool):
     assert isinstance(dynamic_ref, mp.Ref)
     ref_generator = dynamic_ref.get(timeout=T)
     assert isinstance(ref_generator, mp.RefGenerator)
-    i = -1
-    for i, ref in enumerate(ref_generator):
+    num_blocks_generated = 0
+    for ref in ref_generator:
         assert len(mp.get(ref, timeout=T)) <= block_size
-    num_blocks_generated = i + 1
+        num_blocks_generated += 1
     array_size = len(mp.get(array_ref))
     assert array_size <= num_blocks_generated * block_size
     assert num_blocks_generated == -(-array_size // block_size)

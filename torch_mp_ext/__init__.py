@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import multiprocessing as _stdlib_mp
 
-import torch  # noqa: F401  (imports torch.multiprocessing: its reducers first, ours after)
-from torch.multiprocessing import (  # noqa: F401  (torch's own helpers, as torch exposes them)
+import torch
+from torch.multiprocessing import (  # type: ignore[attr-defined]  # private names torch exports
     _get_thread_name,
     _prctl_pr_set_pdeathsig,
     _set_thread_name,
@@ -20,6 +20,7 @@ from torch.multiprocessing import (  # noqa: F401  (torch's own helpers, as torc
 
 from . import _C, cuda, reductions
 from ._context import default_context as _default_context
+from ._forkserver import start_forkserver
 from ._version import __version__
 from .arena import (
     empty,
@@ -32,9 +33,12 @@ from .arena import (
     zeros,
     zeros_array,
 )
+from .array_queue import ArrayQueue
 from .channel import StateDictChannel
 from .context_exchange import ContextChannel, ContextExchanger
 from .exchange import ModelExchanger, PeriodicalModelExchanger
+from .launch import launch
+from .pipeline import Pipeline, Stage, pipeline, stage
 from .reductions import init_reductions
 from .sharing import (
     _all_sharing_strategies,
@@ -42,7 +46,7 @@ from .sharing import (
     get_sharing_strategy,
     set_sharing_strategy,
 )
-from .spawn import (  # noqa: E402  (the function shadows the submodule, as in torch)
+from .spawn import (
     ENV_VAR_PARALLEL_START,
     ProcessContext,
     ProcessExitedException,
@@ -51,18 +55,14 @@ from .spawn import (  # noqa: E402  (the function shadows the submodule, as in t
     spawn,
     start_processes,
 )
-from ._forkserver import start_forkserver  # noqa: E402
-from .launch import launch  # noqa: E402
-from .pipeline import Pipeline, Stage, pipeline, stage  # noqa: E402
-from .array_queue import ArrayQueue  # noqa: E402
 
 # The standard library's names, bound to torch_mp_ext's default context (as multiprocessing
 # binds them to its own): mp.Process, mp.Queue, mp.get_context(...), ...
 globals().update((name, getattr(_default_context, name)) for name in _stdlib_mp.__all__)
 
 # Tasks (docs/tasks.md): attributes, not in __all__, which stays torch.multiprocessing's.
-from ._refs import Ref, RefGenerator, get, wait  # noqa: E402
-from .tasks import TaskPool  # noqa: E402
+from ._refs import Ref, RefGenerator, get, wait
+from .tasks import TaskPool
 
 __all__ = [
     "set_sharing_strategy",

@@ -90,12 +90,14 @@ class Process(_StrategyCarrier, _ctx.Process):
     """``multiprocessing.Process`` of the default context, carrying the sharing strategy."""
 
     @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        return default_context.get_context().Process._Popen(process_obj)
+    def _Popen(process_obj: Any) -> Any:  # noqa: N802  (multiprocessing's name)
+        ctx: Any = default_context.get_context()
+        return ctx.Process._Popen(process_obj)
 
     @staticmethod
     def _after_fork() -> Any:
-        return default_context.get_context().Process._after_fork()
+        ctx: Any = default_context.get_context()
+        return ctx.Process._after_fork()
 
 
 class _QueueFactories:
@@ -152,7 +154,9 @@ class DefaultContext(_ctx.BaseContext):
 
     Process = Process
 
-    def get_context(self, method: str | None = None) -> _ctx.BaseContext:
+    def get_context(  # type: ignore[override]  # the stdlib stub overloads per method
+        self, method: str | None = None
+    ) -> _ctx.BaseContext:
         if method is None:
             method = multiprocessing.get_start_method()
         try:
@@ -160,7 +164,9 @@ class DefaultContext(_ctx.BaseContext):
         except KeyError:
             raise ValueError(f"cannot find context for {method!r}") from None
 
-    def get_start_method(self, allow_none: bool = False) -> str | None:
+    def get_start_method(  # type: ignore[override]  # as the stdlib's, unoverloaded
+        self, allow_none: bool = False
+    ) -> str | None:
         return multiprocessing.get_start_method(allow_none)
 
     def set_start_method(self, method: str | None, force: bool = False) -> None:

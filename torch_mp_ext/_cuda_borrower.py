@@ -188,7 +188,8 @@ def open_counters(name: str, segment_id: int, owner_key: int) -> Any:
         if holder_alive(owner_key) and not isinstance(exc, FileNotFoundError):
             raise
         raise RuntimeError(
-            f"A CUDA tensor arrived after process {holder_pid(owner_key)}, which allocated it, had "
+            f"A CUDA tensor arrived after process {holder_pid(owner_key)}, which allocated it, "
+            "had "
             f"exited: its keep-alive file /dev/shm{name} is gone, and so is the memory. Keep "
             "the producer alive until its tensors are received (at exit it waits a while: "
             "torch_mp_ext.cuda.set_exit_wait), or send clones."

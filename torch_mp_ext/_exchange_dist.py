@@ -79,7 +79,8 @@ class _Latest:
         self.closed = False
         self.error: BaseException | None = None
 
-    def wait_for(self, newer_than: int, multiple_of: int, timeout: float | None, what: str) -> None:
+    def wait_for(self, newer_than: int, multiple_of: int, timeout: float | None,
+                 what: str) -> None:
         """Call with ``cond`` held; returns when a matching version is there."""
         def ready() -> bool:
             return self.matches(newer_than, multiple_of) or self.closed
@@ -123,7 +124,8 @@ class DistModelChannel:
             raise ValueError(f"backend='nccl' broadcasts CUDA tensors, but the model is on "
                              f"{self._device}: move it to its GPU first, or use 'gloo'")
         schema = [[(e.key, str(e.dtype), e.shape) for e in self._entries]]
-        dist.broadcast_object_list(schema, src=learner_rank, group=self._group, device=self._device)
+        dist.broadcast_object_list(schema, src=learner_rank, group=self._group,
+                                   device=self._device)
         if not is_learner:
             self._check_schema(schema[0])
         flats = 1 if is_learner else 2
@@ -148,8 +150,8 @@ class DistModelChannel:
                              f"{len(mine)}: every rank must build the same model")
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {e.key: flat[_HEADER + e.offset:_HEADER + e.offset + e.nbytes].view(e.dtype).view(e.shape)
-                for e in self._entries if e.nbytes}
+        return {e.key: flat[_HEADER + e.offset:_HEADER + e.offset + e.nbytes]
+                .view(e.dtype).view(e.shape) for e in self._entries if e.nbytes}
 
     # ---- the learner ---------------------------------------------------------------------
 
@@ -168,8 +170,10 @@ class DistModelChannel:
             raise ChannelClosedError(f"publish: {self.name} is closed")
         version = self._latest.version + 1 if version is None else version
         if version <= self._latest.version:
-            raise ValueError(f"publish: version {version} is not newer than {self._latest.version}")
-        sources = match_state(self._entries, self._index, _state_of(state, "state"), "publish", self.name)
+            raise ValueError(
+                f"publish: version {version} is not newer than {self._latest.version}")
+        sources = match_state(self._entries, self._index, _state_of(state, "state"), "publish",
+                              self.name)
         flat = self._flats[0]
         views = self._views(flat)
         with torch.no_grad():
@@ -253,7 +257,8 @@ class DistContextChannel:
         self._latest = _Latest()
         self._payload: Any = None
         target = self._receive_up if is_learner else self._receive_down
-        self._thread = threading.Thread(target=target, daemon=True, name=f"torch_mp_ext {self.name}")
+        self._thread = threading.Thread(target=target, daemon=True,
+                                        name=f"torch_mp_ext {self.name}")
         self._thread.start()
 
     @property
@@ -290,7 +295,8 @@ class DistContextChannel:
     def send_up(self, payload: Mapping) -> None:
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=self._src, group=self._up)
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=self._src, group=self._up)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=self._src,
+                  group=self._up)
 
     def receive_up(self, timeout: float | None) -> list:
         """Blocks for one payload (up to ``timeout``), then takes every one already there."""
@@ -310,7 +316,8 @@ class DistContextChannel:
 
     def send_down(self, payload: Mapping) -> None:
         self._latest.version += 1
-        dist.broadcast_object_list([(self._latest.version, payload)], src=self._src, group=self._down)
+        dist.broadcast_object_list([(self._latest.version, payload)], src=self._src,
+                                   group=self._down)
 
     def receive_down(self, newer_than: int, timeout: float | None) -> tuple[int, Any]:
         with self._latest.cond:

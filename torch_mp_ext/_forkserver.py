@@ -375,7 +375,7 @@ def _serve(listener_fd: int, alive_r: int) -> None:
                             selector.close()
                             unused = [alive_r, child_w, sig_r, sig_w, *pid_to_fd.values()]
                             code = _serve_one(child_r, fds, unused, old_handlers, server)
-                        except Exception:
+                        except Exception:  # noqa: BLE001  (printed, then exit code 1)
                             sys.excepthook(*sys.exc_info())
                             sys.stderr.flush()
                         finally:

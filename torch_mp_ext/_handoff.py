@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import IO, cast
 
 __all__ = ["Variant", "VARIANTS", "run_handoff", "format_table", "human_size"]
 
@@ -53,21 +54,23 @@ class _Side:
             text=True,
             env=env,
         )
+        self._stdin: IO[str] = cast(IO[str], self.proc.stdin)
+        self._stdout: IO[str] = cast(IO[str], self.proc.stdout)
         self.ask({})  # wait for "ready"
 
     def ask(self, cmd: dict) -> dict:
         if cmd:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
+            self._stdin.write(json.dumps(cmd) + "\n")
+            self._stdin.flush()
+        line = self._stdout.readline()
         if not line:
-            raise RuntimeError(f"hand-off worker {self.proc.args} exited ({self.proc.wait()})")
+            raise RuntimeError(f"hand-off worker {self.proc.args!r} exited ({self.proc.wait()})")
         return json.loads(line)
 
     def close(self) -> None:
         try:
-            self.proc.stdin.write(json.dumps({"op": "stop"}) + "\n")
-            self.proc.stdin.close()
+            self._stdin.write(json.dumps({"op": "stop"}) + "\n")
+            self._stdin.close()
             self.proc.wait(60)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()

@@ -46,7 +46,7 @@ _used_file_system = False
 can_swap = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
-def allocate(nbytes: int, strategy: Optional[str] = None) -> "_C.Block":
+def allocate(nbytes: int, strategy: Optional[str] = None) -> _C.Block:
     """A new block of at least ``nbytes`` for ``strategy`` (default: the current one)."""
     global _used_file_system
     named = (strategy or get_sharing_strategy()) == "file_system"
@@ -54,16 +54,19 @@ def allocate(nbytes: int, strategy: Optional[str] = None) -> "_C.Block":
     return _C.allocate(nbytes, named)
 
 
-def storage_from_block(block: "_C.Block", offset: int, nbytes: int) -> torch.UntypedStorage:
+def storage_from_block(block: _C.Block, offset: int, nbytes: int) -> torch.UntypedStorage:
     """A CPU storage viewing ``nbytes`` of ``block`` from ``offset``; keeps ``block`` alive."""
-    return torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
+    view = torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=offset)
+    return view.untyped_storage()
 
 
 def array_from_block(
-    block: "_C.Block", offset: int, shape: tuple, dtype: np.dtype, strides: Optional[tuple]
+    block: _C.Block, offset: int, shape: tuple, dtype: np.dtype, strides: Optional[tuple]
 ) -> np.ndarray:
     """A numpy array viewing ``block`` (its ``base`` keeps the block alive)."""
-    return np.ndarray(shape, dtype=dtype, buffer=block, offset=offset, strides=strides)
+    # Block has the buffer protocol; numpy's stubs do not know it.
+    return np.ndarray(shape, dtype=dtype, buffer=block,  # type: ignore[arg-type]
+                      offset=offset, strides=strides)
 
 
 def in_block(address: int, nbytes: int) -> bool:
@@ -91,7 +94,7 @@ def move_storage_(storage: torch.UntypedStorage) -> torch.UntypedStorage:
         block = allocate(nbytes)
         fresh = storage_from_block(block, 0, nbytes)
         fresh.copy_(storage)
-        storage._swap_data_ptr_(fresh)
+        storage._swap_data_ptr_(fresh)  # type: ignore[attr-defined]  # torch >= 2.1, private
         del fresh  # now holds the old memory: free it
     return storage
 

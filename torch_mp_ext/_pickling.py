@@ -65,7 +65,10 @@ class _Sink:
 class _QueuePickler(pickle.Pickler):
     # Looked up per reduced object of a non-builtin type, so registrations made later
     # (init_reductions(), user reducers) apply at once.
-    dispatch_table = ChainMap(ForkingPickler._extra_reducers, copyreg.dispatch_table)
+    dispatch_table = ChainMap(
+        ForkingPickler._extra_reducers,  # type: ignore[attr-defined]  # private, stable
+        copyreg.dispatch_table,  # type: ignore[arg-type]
+    )
 
 
 class _SharedPickler:
@@ -130,13 +133,13 @@ def decode(tag: int, data: bytes) -> Any:
 class _Inert:
     """Stands in for every class and function a dropped frame names."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "_Inert":
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
         return object.__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __call__(self, *args: Any, **kwargs: Any) -> "_Inert":
+    def __call__(self, *args: Any, **kwargs: Any) -> _Inert:
         return _Inert()
 
     def __setstate__(self, state: Any) -> None:

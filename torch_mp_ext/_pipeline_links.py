@@ -110,7 +110,7 @@ class Failure(_Control):
         self.text = text
 
     @classmethod
-    def capture(cls, exc: BaseException, role: Role, pid: int, detail: str) -> "Failure":
+    def capture(cls, exc: BaseException, role: Role, pid: int, detail: str) -> Failure:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         try:
             payload: Optional[bytes] = pickle.dumps(with_traceback(exc))
@@ -229,7 +229,7 @@ class Inlet:
         self.count = 0
         self.done = False
 
-    def __iter__(self) -> "Inlet":
+    def __iter__(self) -> Inlet:
         return self
 
     def __next__(self) -> Any:

@@ -17,19 +17,19 @@ a get settles: clears the flag, empties the pipe, then, if items remain, sets th
 writes a byte whatever the flag said (a put may have set it and had its byte swallowed by the
 emptying). Any interleaving of these steps leaves the pipe readable whenever an item is
 queued (the flag and the ring state are read and written with sequentially consistent
-operations on both sides), and the pipe never holds more than a few bytes. Gets by processes that never look at ``_reader``
-keep it honest too, so a waiter never spins on a stale byte for long.
+operations on both sides), and the pipe never holds more than a few bytes. Gets by
+processes that never look at ``_reader`` keep it honest too, so a waiter never spins on a
+stale byte for long.
 """
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import select
 import threading
 from multiprocessing import reduction
 from typing import Any, Optional
-
-import multiprocessing.util
 
 __all__ = ["SimpleQueueCompat"]
 
@@ -45,7 +45,7 @@ def _close_fds(*fds: int) -> None:
 class _Writer:
     """``SimpleQueue._writer``: ``send`` puts; ``close`` is a no-op (workers call it)."""
 
-    def __init__(self, q: "SimpleQueueCompat") -> None:
+    def __init__(self, q: Any) -> None:  # a SimpleQueueCompat, which is a _RingQueue
         self._q = q
 
     def send(self, obj: Any) -> None:
@@ -58,7 +58,7 @@ class _Writer:
 class _Reader:
     """``SimpleQueue._reader``: ``recv``, ``poll`` and a ``fileno`` to wait on."""
 
-    def __init__(self, q: "SimpleQueueCompat") -> None:
+    def __init__(self, q: Any) -> None:  # a SimpleQueueCompat, which is a _RingQueue
         self._q = q
 
     def recv(self) -> Any:
@@ -83,7 +83,7 @@ class _Reader:
 def _rebuild_simple(cls: type, handle: tuple, read_fd: Any, write_fd: Any) -> Any:
     from .queues import _rebuild
 
-    q = _rebuild(cls, handle, 0)
+    q: Any = _rebuild(cls, handle, 0)
     q._set_doorbell(read_fd.detach(), write_fd.detach())
     return q
 

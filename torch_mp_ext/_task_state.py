@@ -170,7 +170,7 @@ class TaskState:
         for msg in msgs:
             try:
                 self._on_message(msg)
-            except Exception:  # noqa: BLE001 (a bug: the pool must keep reading)
+            except Exception:
                 log.exception("TaskPool could not handle a worker message %.200r", msg)
 
     def _on_message(self, msg: tuple) -> None:

@@ -184,5 +184,5 @@ def discard(wire: Wire) -> None:
     try:
         box = _C.attach(payload[0])
         release_frame(TAG_PICKLE, bytes(memoryview(box)[: payload[1]]))
-    except Exception:  # noqa: BLE001 (as for a dropped queue frame: the reference stays)
+    except Exception:
         log.debug("could not release the references of a dropped task value", exc_info=True)

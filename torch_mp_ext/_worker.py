@@ -88,7 +88,7 @@ def _wrap(fn: Callable[..., Any], i: int, args: tuple, error_file: str,
         fn(i, *args)
     except KeyboardInterrupt:
         pass  # SIGINT (Ctrl-C reaches the whole process group): exit quietly, as torch does
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (reported through the error file)
         # Propagate the exception (and its text) to the parent through a file, as torch
         # does: a queue could deadlock.
         _write_error_file(error_file, e)

@@ -50,7 +50,8 @@ def _parse_size(size: tuple) -> tuple[int, ...]:
     return tuple(out)
 
 
-def empty(*size: _SizeArg, dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
+def empty(*size: _SizeArg, dtype: torch.dtype | None = None,
+          requires_grad: bool = False) -> torch.Tensor:
     """An uninitialised CPU tensor in shared memory (like ``torch.empty``).
 
     Args:
@@ -67,11 +68,12 @@ def empty(*size: _SizeArg, dtype: torch.dtype | None = None, requires_grad: bool
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype, requires_grad=requires_grad)
     storage = _memory.storage_from_block(_memory.allocate(nbytes), 0, nbytes)
-    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
     return tensor.requires_grad_(requires_grad)
 
 
-def zeros(*size: _SizeArg, dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
+def zeros(*size: _SizeArg, dtype: torch.dtype | None = None,
+          requires_grad: bool = False) -> torch.Tensor:
     """A zero-filled CPU tensor in shared memory (like ``torch.zeros``)."""
     tensor = empty(*size, dtype=dtype)
     tensor.zero_()

@@ -124,7 +124,7 @@ class ArrayQueue:
 
     def _setup(self) -> None:
         self._addresses = {block.address: i for i, block in enumerate(self._blocks)}
-        self._owned: Dict[int, "weakref.ref[_Slot]"] = {}
+        self._owned: Dict[int, weakref.ref[_Slot]] = {}
         self._u8: Dict[int, np.ndarray] = {}
 
     def __reduce__(self) -> tuple:

@@ -154,7 +154,8 @@ class StateDictChannel:
 
     def __reduce__(self) -> tuple:
         ch = self._channel
-        return (_rebuild, (ch.block.share(), ch.nbuffers, ch.buffer_bytes, self._entries, self.name))
+        return (_rebuild,
+                (ch.block.share(), ch.nbuffers, ch.buffer_bytes, self._entries, self.name))
 
     def __repr__(self) -> str:
         mb = self._channel.buffer_bytes / 2**20
@@ -343,7 +344,8 @@ class StateDictChannel:
         views = self._views.get(index)
         if views is None:
             ch = self._channel
-            storage = _memory.storage_from_block(ch.block, ch.buffer_offset(index), ch.buffer_bytes)
+            storage = _memory.storage_from_block(ch.block, ch.buffer_offset(index),
+                                                 ch.buffer_bytes)
             views = {}
             for e in self._entries:
                 if e.nbytes:

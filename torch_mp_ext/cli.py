@@ -37,7 +37,8 @@ def _doctor(args: argparse.Namespace) -> int:
     from . import _C, __version__, get_sharing_strategy
 
     problems = 0
-    print(f"torch_mp_ext {__version__}, torch {torch.__version__}, Python {sys.version.split()[0]}")
+    print(f"torch_mp_ext {__version__}, torch {torch.__version__}, "
+          f"Python {sys.version.split()[0]}")
     print(f"start methods: {multiprocessing.get_all_start_methods()}, "
           f"default {multiprocessing.get_start_method(allow_none=True) or 'fork (unset)'}")
     print(f"sharing strategy: {get_sharing_strategy()}, anonymous backend: "

@@ -46,7 +46,7 @@ def _step(text: str) -> None:
 def run(repeats: int = 5, quick: bool = False) -> int:
     print(f"torch_mp_ext {mp.__version__} demo (torch {torch.__version__}, pid {os.getpid()})")
     print("1. sharing between processes (spawn context)")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn")  # type: ignore[attr-defined]  # set from the context
     inboxes = [ctx.Queue() for _ in range(2)]
     outbox, done = ctx.Queue(), ctx.Event()
     start = time.monotonic()

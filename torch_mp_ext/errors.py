@@ -238,7 +238,7 @@ class ExceptionWithTraceback:
             tb = exc.__traceback__
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         self.exc = exc
-        self.tb = '\n"""\n%s"""' % text
+        self.tb = f'\n"""\n{text}"""'
 
     def __reduce__(self) -> tuple:
         return _rebuild_exc, (self.exc, self.tb)

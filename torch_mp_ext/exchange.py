@@ -127,7 +127,8 @@ def model_transport(model: torch.nn.Module, channel: StateDictChannel | None, ba
         cuda = any(t.is_cuda for t in model.state_dict().values())
         backend = "nccl" if cuda else "gloo"
     if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'shm', 'distributed', 'gloo' or 'nccl', got {backend!r}")
+        raise ValueError(
+            f"backend must be 'shm', 'distributed', 'gloo' or 'nccl', got {backend!r}")
     from ._exchange_dist import DistModelChannel
 
     return DistModelChannel(model, backend=backend, is_learner=is_learner,
@@ -207,7 +208,8 @@ class ModelExchanger(_Receiver):
         """Learner: publishes the model as the next version and returns it."""
         if not self._is_learner:
             raise RuntimeError(f"send() is the learner's; this exchanger's role is {self._role!r}")
-        self._version = self._channel.publish(self._model, max(self._version, self._channel.version) + 1)
+        newer = max(self._version, self._channel.version) + 1
+        self._version = self._channel.publish(self._model, newer)
         return self._version
 
     def receive(self, timeout: float | None = _DEFAULT) -> int | None:

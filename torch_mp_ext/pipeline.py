@@ -109,7 +109,7 @@ class Pipeline(Iterator[Any]):
         state = ("closed" if self._closed else "running" if self._state else "not started")
         return f"<torch_mp_ext.Pipeline [{stages}] {state}>"
 
-    def __iter__(self) -> "Pipeline":
+    def __iter__(self) -> Pipeline:
         return self
 
     def __next__(self) -> Any:
@@ -141,7 +141,7 @@ class Pipeline(Iterator[Any]):
         if self._state is not None:
             self._finalizer()
 
-    def __enter__(self) -> "Pipeline":
+    def __enter__(self) -> Pipeline:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -152,7 +152,7 @@ class Pipeline(Iterator[Any]):
         """The stage processes' pids (empty before the first ``next()``)."""
         return self._state.pids if self._state is not None else ()
 
-    def _then(self, spec: _Spec, start_method: Optional[str]) -> "Pipeline":
+    def _then(self, spec: _Spec, start_method: Optional[str]) -> Pipeline:
         if (start_method and self._start_method and start_method != self._start_method):
             raise ValueError(f"stage {spec.name!r} wants start_method={start_method!r} but "
                              f"the stages before it use {self._start_method!r}")

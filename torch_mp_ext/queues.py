@@ -75,7 +75,7 @@ _OK, _EMPTY, _FULL, _TIMEOUT, _CLOSED = (int(s) for s in (
 
 # ---- holders (Note [Queue lifetime]) ------------------------------------------------------
 
-_held: "weakref.WeakSet[_C.Ring]" = weakref.WeakSet()
+_held: weakref.WeakSet[_C.Ring] = weakref.WeakSet()
 
 
 def _let_go(ring: _C.Ring) -> None:
@@ -118,7 +118,7 @@ def _timeout(block: bool, timeout: Optional[float]) -> float:
     return max(float(timeout), 0.0)
 
 
-def _rebuild(cls: type, handle: tuple, maxsize: int) -> "_RingQueue":
+def _rebuild(cls: Any, handle: tuple, maxsize: int) -> _RingQueue:
     self = cls.__new__(cls)
     self._maxsize = maxsize
     self._setup(_C.Ring.open(_C.attach(handle)))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from multiprocessing import reduction
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -229,7 +229,8 @@ def rebuild_cuda_tensor(
         )
     if storage_handle is None or storage_size_bytes == 0:
         storage = storage_cls(0, dtype=dtype, device=storage_device, _internal=True)
-        untyped = storage if isinstance(storage, torch.UntypedStorage) else storage._untyped_storage
+        untyped = (storage if isinstance(storage, torch.UntypedStorage)
+                   else storage._untyped_storage)
     else:
         untyped = _cuda_ipc.receive(
             storage_device, storage_handle, storage_size_bytes, storage_offset_bytes,
@@ -326,7 +327,7 @@ def reduce_array(arr: np.ndarray) -> tuple:
     """Pickles a numpy array: by handle if it lives in a block (zero-copy both ways), else
     copied once into a new block, or by value when small or of object dtype."""
     if arr.dtype.hasobject or arr.size == 0:
-        return arr.__reduce__()
+        return cast(tuple, arr.__reduce__())
     data = arr.__array_interface__["data"][0]
     low, span = _extent(arr)
     shared = _C.share_address(data + low, span)
@@ -337,7 +338,7 @@ def reduce_array(arr: np.ndarray) -> tuple:
             (handle, offset - low, arr.shape, arr.dtype, arr.strides, arr.flags.writeable),
         )
     if arr.nbytes < NUMPY_MIN_SHARED_BYTES:
-        return arr.__reduce__()
+        return cast(tuple, arr.__reduce__())
     block = _memory.allocate(arr.nbytes)
     copy = _memory.array_from_block(block, 0, arr.shape, arr.dtype, None)
     np.copyto(copy, arr, casting="no")
@@ -361,8 +362,8 @@ def init_reductions() -> None:
         else:
             reduction.register(t, reduce_typed_storage_child)
     reduction.register(torch.storage.TypedStorage, reduce_typed_storage)
-    for t in torch._tensor_classes:
-        reduction.register(t, reduce_tensor)
+    for tensor_cls in torch._tensor_classes:
+        reduction.register(tensor_cls, reduce_tensor)
     reduction.register(torch.Tensor, reduce_tensor)
     reduction.register(torch.nn.parameter.Parameter, reduce_tensor)
     reduction.register(np.ndarray, reduce_array)

@@ -13,13 +13,12 @@ import subprocess
 import sys
 import textwrap
 
+import _workers
 import pytest
 
 import torch_mp_ext as mp
 from torch_mp_ext import _C
-from torch_mp_ext.errors import CorruptSegmentError, SharedMemoryError
-
-import _workers
+from torch_mp_ext.errors import CorruptSegmentError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -242,13 +241,14 @@ def test_process_identity_helpers():
 
 
 def test_stub_lists_exactly_the_extension():
-    stub = open(os.path.join(ROOT, "torch_mp_ext", "_C.pyi")).read()
+    with open(os.path.join(ROOT, "torch_mp_ext", "_C.pyi")) as file:
+        stub = file.read()
     declared = set(re.findall(r"^(?:def|class) (\w+)", stub, re.M))
     declared |= set(re.findall(r"^(\w+)\s*[:=]", stub, re.M)) - {"Handle"}
     actual = {n for n in dir(_C) if not n.startswith("_")} | {"__version__"}
     assert declared - {"__version__"} == actual - {"__version__"}
     for name in ("Block", "CounterFile"):
-        methods = set(re.findall(r"^    def (\w+)", stub.split(f"class {name}")[1].split("\nclass ")[0]
-                                 .split("\ndef ")[0], re.M)) - {"__buffer__"}
+        body = stub.split(f"class {name}")[1].split("\nclass ")[0].split("\ndef ")[0]
+        methods = set(re.findall(r"^    def (\w+)", body, re.M)) - {"__buffer__"}
         assert methods == {n for n, _ in inspect.getmembers(getattr(_C, name))
                            if not n.startswith("_")}

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import signal
 
-import torch_mp_ext as mp
-from torch_mp_ext import _C
-
 import _cuda_workers
 import _workers
+
+import torch_mp_ext as mp
+from torch_mp_ext import _C
 
 
 def test_collect_reports_a_tag_dead_only_when_its_last_slot_is_released():
