@@ -1,7 +1,6 @@
 #include "sync/condition.h"
 
 #include <linux/futex.h>
-#include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -46,16 +45,16 @@ void SharedCondition::init() {
 SharedCondition::Woke SharedCondition::wait(uint32_t seen, const Deadline& deadline,
                                             int64_t spin_ns) {
   if (spin_ns > 0) {
-    // Spin, but yield the CPU every few checks: on an idle core this catches the next event
-    // without a futex round trip; on a busy one the peer that will post the event runs.
+    // Spin without sched_yield(): on an idle core this catches the next event without a
+    // futex round trip. Yielding looked kind but was not: a woken peer queued behind a
+    // yielding spinner on the same CPU waited for the scheduler tick (4 ms at HZ=250), which
+    // made a tensor hand-off take 4 ms instead of 50 us until the balancer moved it. The spin
+    // is bounded (spin_ns), so a peer sharing the core loses at most that.
     int64_t until = now_ns() + spin_ns;
     for (int i = 1;; ++i) {
       if (seq_.load(std::memory_order_acquire) != seen) return Woke::Event;
       cpu_relax();
-      if ((i & 31) == 0) {
-        if (now_ns() >= until) break;
-        ::sched_yield();
-      }
+      if ((i & 31) == 0 && now_ns() >= until) break;
     }
   }
   if (deadline.expired()) return Woke::TimedOut;
