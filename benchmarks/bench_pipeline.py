@@ -46,7 +46,8 @@ import numpy as np
 
 SHAPE = (500, 2000)
 BUFFER = 3
-GIL_ELEMENTS = 1000  # per row (of 2000), in the GIL-bound stage
+# Elements per row (of 2000) the GIL-bound stage loops over; --gil-elements sets it.
+GIL_ELEMENTS = int(os.environ.get("BENCH_GIL_ELEMENTS", 1000))
 
 
 def xs(n: int) -> Iterator[np.ndarray]:
@@ -185,7 +186,7 @@ def run_variant(name: str, workload: str, n: int) -> Iterator[Any]:
         if name == "tmx pipeline":
             return iter(mp.pipeline(lambda: xs(n), *stages, buffer_size=BUFFER))
         if name == "tmx pipeline workers=2":
-            per_item = [h, scan_one, f]
+            per_item = [h, scan_one, f]  # h and f: generator stages; scan_one: 2 workers
             return iter(mp.pipeline(lambda: xs(n), *per_item, buffer_size=BUFFER, workers=2))
         if name == "tmx @stage":
             out = xs(n)
@@ -287,8 +288,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "GIL-bound workload (each costs about 6x a seed array serially)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
     parser.add_argument("--workload", choices=["seed", "gil", "both"], default="both")
+    parser.add_argument("--gil-elements", type=int, default=GIL_ELEMENTS, help="elements "
+                        "of each row the GIL-bound stage loops over (default %(default)s)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    os.environ["BENCH_GIL_ELEMENTS"] = str(args.gil_elements)  # for the children
     if args.child:
         child(args.child, args.workload, args.arrays)
         return 0
@@ -315,7 +319,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"(queues of {BUFFER}); median of {args.rounds} interleaved rounds")
         else:
             print(f"GIL-bound workload: {args.gil_arrays} arrays through h, scan (a Python "
-                  f"loop over the first {GIL_ELEMENTS} elements of each row, then x * 3), f; "
+                  f"loop over the first {args.gil_elements} elements of each row, then x * 3), f; "
                   f"median of {args.rounds} interleaved rounds")
         print()
         print("\n".join(table(w, plan[w], results[w], "tmx pipeline")))

@@ -32,3 +32,12 @@ def test_tensor_transfer_benchmark_runs():
     out = run("benchmarks/bench_tensor_transfer.py", "--repeats", "1", "--sizes", "4KB,1MB")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "| torch fd pre-shared |" in out.stdout and "WRONG DATA" not in out.stdout
+
+
+def test_pipeline_benchmark_runs_and_every_variant_agrees():
+    out = run("benchmarks/bench_pipeline.py", "--arrays", "3", "--gil-arrays", "2",
+              "--rounds", "1", "--gil-elements", "10")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("All sums equal: yes.") == 2, out.stdout
+    assert "| torch.multiprocessing.Queue |" in out.stdout
+    assert "| tmx pipeline workers=2 |" in out.stdout
