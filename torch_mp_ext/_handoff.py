@@ -47,6 +47,7 @@ class _Side:
         # The worker runs as a script: make the package importable from its checkout too.
         root = os.path.dirname(os.path.dirname(_WORKER))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        env["OMP_NUM_THREADS"] = "1"  # Note [Idle OpenMP threads spin] in _handoff_worker.py
         self.proc = subprocess.Popen(
             [sys.executable, _WORKER, lib, transport],
             stdin=subprocess.PIPE,

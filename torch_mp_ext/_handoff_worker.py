@@ -15,6 +15,14 @@ share the last-level cache): right after a 128 MB fill, even a 4 KB hand-off cos
 by ``warmups`` untimed hand-offs of a 4 KB object of the same library and kind, so the clock
 measures the hand-off itself rather than cache refills caused by making the data;
 ``--warmups 0`` measures the cold case.
+
+Note [Idle OpenMP threads spin]
+The consumer's check sums the data with torch, which uses every core's OpenMP thread for a
+large tensor; after the parallel region those threads spin for a few milliseconds (libgomp's
+default wait policy) before they sleep. On 2 CPUs that spinning delayed the *next* trial's
+hand-off by 3-4 ms whatever the library (a cold 1 MB hand-off after a 128 MB one: 3.7 ms; with
+OMP_NUM_THREADS=1 or OMP_WAIT_POLICY=passive: 0.5 ms). The sides therefore run with
+``OMP_NUM_THREADS=1``, so each trial measures its own hand-off.
 """
 
 import json
