@@ -25,30 +25,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from torch_mp_ext import _handoff
+from torch_mp_ext_demo import handoff
 
 SIZES = {"4KB": 4 << 10, "1MB": 1 << 20, "16MB": 16 << 20, "128MB": 128 << 20}
 
 
-def targets(results: _handoff.Results) -> list[str]:
+def targets(results: handoff.Results) -> list[str]:
     """The issue's targets, each with the measured figure and PASS/MISS."""
     med = results.median
     lines = []
     sizes = results.sizes
     flat = med("tmx fd arena-born", sizes[-1]) / med("tmx fd arena-born", sizes[0])
-    lines.append(f"arena-born {_handoff.human_size(sizes[-1])} / {_handoff.human_size(sizes[0])}"
+    lines.append(f"arena-born {handoff.human_size(sizes[-1])} / {handoff.human_size(sizes[0])}"
                  f": {flat:.2f}x (target <= 2x) {'PASS' if flat <= 2 else 'MISS'}")
     for n in sizes:
         best_torch = min(med("torch fd pre-shared", n), med("torch fs pre-shared", n))
         r = best_torch / med("tmx fd arena-born", n)
-        lines.append(f"{_handoff.human_size(n)}: best torch pre-shared / tmx arena-born = "
+        lines.append(f"{handoff.human_size(n)}: best torch pre-shared / tmx arena-born = "
                      f"{r:.1f}x (target >= 10x) {'PASS' if r >= 10 else 'MISS'}")
     for n in sizes:
         if n < 16 << 20:
             continue
         best_torch = min(med("torch fd fresh", n), med("torch fs fresh", n))
         r = best_torch / med("tmx fd fresh", n)
-        lines.append(f"{_handoff.human_size(n)}: best torch fresh / tmx fresh = {r:.1f}x "
+        lines.append(f"{handoff.human_size(n)}: best torch fresh / tmx fresh = {r:.1f}x "
                      f"(target >= 3x) {'PASS' if r >= 3 else 'MISS'}")
     return lines
 
@@ -59,7 +59,7 @@ def main() -> int:
     parser.add_argument("--sizes", default=",".join(SIZES), help="from " + ",".join(SIZES))
     parser.add_argument("--warmups", type=int, default=2,
                         help="untimed 4 KB hand-offs before each trial (Note [Warm hand-offs] "
-                             "in torch_mp_ext/_handoff_worker.py); 0 measures cold caches")
+                             "in torch_mp_ext_demo/handoff_worker.py); 0 measures cold caches")
     parser.add_argument("--transport", choices=["simple", "queue"], default="simple",
                         help="simple: each library's SimpleQueue (a pipe, pickled in the "
                              "caller's thread); queue: each library's Queue")
@@ -69,12 +69,12 @@ def main() -> int:
           f"(transport: {args.transport}, {args.warmups} warm-up hand-offs per trial)")
     print(f"Python {platform.python_version()}, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, {platform.machine()}")
-    results = _handoff.run_handoff(sizes, args.repeats, transport=args.transport,
+    results = handoff.run_handoff(sizes, args.repeats, transport=args.transport,
                                    warmups=args.warmups,
                                    progress=lambda i, n: print(f"round {i}/{n}",
                                                                file=sys.stderr, flush=True))
     print()
-    print(_handoff.format_table(results))
+    print(handoff.format_table(results))
     print()
     if results.failures:
         print(f"WRONG DATA: {results.failures}")

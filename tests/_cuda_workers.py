@@ -13,8 +13,9 @@ import time
 
 import torch
 
-from torch_mp_ext import _C, _cuda_ipc
-from torch_mp_ext._cuda_ipc import Shared
+from torch_mp_ext import _C
+from torch_mp_ext.cuda import ipc as _cuda_ipc
+from torch_mp_ext.cuda.ipc import Shared
 
 
 class FakeCuda(_cuda_ipc.Backend):

@@ -8,8 +8,13 @@ import time
 import torch
 
 import torch_mp_ext as mp
-from torch_mp_ext.context_exchange import ContextExchanger
-from torch_mp_ext.exchange import Context, ModelExchanger, PeriodicalModelExchanger, run_step
+from torch_mp_ext.exchange import (
+    Context,
+    ContextExchanger,
+    ModelExchanger,
+    PeriodicalModelExchanger,
+    run_step,
+)
 
 STEPS = 12  # collector steps in the toy loop
 

@@ -10,7 +10,8 @@ import sys
 
 import _queue_workers as workers
 
-from torch_mp_ext import _C, _memory
+from torch_mp_ext import _C
+from torch_mp_ext.sharing import memory as _memory
 
 
 def new_ring(capacity):

@@ -29,7 +29,7 @@ def succeed(i, *_):
 
 def report(i, q):
     """Puts what a test wants to know about the worker."""
-    from torch_mp_ext import _forkserver
+    from torch_mp_ext.processes import forkserver as _forkserver
 
     main = sys.modules.get("__mp_main__") or sys.modules["__main__"]
     q.put({
@@ -41,6 +41,11 @@ def report(i, q):
         "main_mark": getattr(main, "MARK", None),
         "server": _forkserver.server_pid(),
     })
+
+
+def report_ppid(q):
+    """A plain Process target: puts its parent's pid."""
+    q.put(os.getppid())
 
 
 def raise_at(i, ranks, delay=0.0):
@@ -116,7 +121,7 @@ def nested_sleeper(i, q):
 
 def start_grandchild_and_sleep(i, q, start_method):
     """Reports [its pid, its own fast forkserver's] and a grandchild's pid, then sleeps."""
-    from torch_mp_ext import _forkserver
+    from torch_mp_ext.processes import forkserver as _forkserver
 
     mp.start_processes(nested_sleeper, args=(q,), nprocs=1, join=False, start_method=start_method)
     q.put([os.getpid(), _forkserver.server_pid()])

@@ -46,7 +46,7 @@ def _creator_alive_elsewhere(name: str) -> bool:
 
 def _persistent_fds() -> set[str]:
     """fds of session-long helpers: the forkservers, the resource tracker, our fd server."""
-    fds = {str(fd) for fd in torch_mp_ext._forkserver.server_fds()}
+    fds = {str(fd) for fd in torch_mp_ext.processes.forkserver.server_fds()}
     from multiprocessing import forkserver, resource_tracker
 
     alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
@@ -94,7 +94,7 @@ def child_pids() -> set[int]:
     from multiprocessing import forkserver, resource_tracker
 
     for pid in (
-        torch_mp_ext._forkserver.server_pid(),
+        torch_mp_ext.processes.forkserver.server_pid(),
         getattr(forkserver._forkserver, "_forkserver_pid", None),
         getattr(resource_tracker._resource_tracker, "_pid", None),
     ):

@@ -102,8 +102,8 @@ def test_numpy_arrays_born_in_blocks_are_sent_without_copies():
     import gc
     import threading
 
-    from torch_mp_ext import _memory
-    from torch_mp_ext._pickling import dumps, loads
+    from torch_mp_ext.sharing import memory as _memory
+    from torch_mp_ext.sharing.pickling import dumps, loads
 
     assert _memory.numpy_in_blocks(True)
     try:

@@ -18,9 +18,10 @@ import torch
 
 import torch_mp_ext as mp
 import torch_mp_ext.cuda
-from torch_mp_ext import _C, _cuda_ipc, reductions
-from torch_mp_ext._cuda_backend import TorchCuda
-from torch_mp_ext._cuda_lender import settings
+from torch_mp_ext import _C, reductions
+from torch_mp_ext.cuda import ipc as _cuda_ipc
+from torch_mp_ext.cuda.backend import TorchCuda
+from torch_mp_ext.cuda.lender import settings
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 from test_spawn import get, join_within, start
 
 import torch_mp_ext as mp
-from torch_mp_ext import _forkserver
+from torch_mp_ext.processes import forkserver as _forkserver
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -56,12 +56,38 @@ def test_workers_take_ctrl_c_like_spawn_workers():
     assert context.processes[0].exitcode == 0
 
 
-def test_parallel_start_off_is_torchs_forkserver(monkeypatch):
+def test_parallel_start_off_starts_one_by_one_from_the_same_server(monkeypatch):
+    # One forkserver: TORCH_MP_PARALLEL_START=0 changes the order of starts, not the server.
     monkeypatch.setenv(mp.ENV_VAR_PARALLEL_START, "0")
+    mp.start_forkserver()
     q = mp.get_context("forkserver").SimpleQueue()
     join_within(start(w.report, (q,), nprocs=2))
-    stdlib_server = multiprocessing.forkserver._forkserver._forkserver_pid
-    assert [r["ppid"] for r in _reports(q, 2)] == [stdlib_server] * 2
+    assert [r["ppid"] for r in _reports(q, 2)] == [_forkserver.server_pid()] * 2
+    assert multiprocessing.forkserver._forkserver._forkserver_pid is None
+
+
+def test_get_context_forkserver_is_the_fast_server():
+    ctx = mp.get_context("forkserver")
+    assert ctx.Process is _forkserver.ForkServerProcess
+    assert mp.get_context("spawn").get_context("forkserver") is ctx
+    mp.start_forkserver()
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=w.report_ppid, args=(q,))
+    p.start()
+    try:
+        assert get(q) == _forkserver.server_pid()
+    finally:
+        p.join(30)
+    assert p.exitcode == 0
+    assert multiprocessing.forkserver._forkserver._forkserver_pid is None
+
+
+def test_set_forkserver_preload_takes_our_server(monkeypatch):
+    monkeypatch.setattr(_forkserver._server, "preload", list(_forkserver._DEFAULT_PRELOAD))
+    mp.set_forkserver_preload(["json", "__main__"])
+    assert _forkserver._server.preload == [*_forkserver._DEFAULT_PRELOAD, "json"]
+    with pytest.raises(TypeError):
+        mp.get_context("forkserver").set_forkserver_preload([1])
 
 
 MAIN_SCRIPT = """
@@ -107,7 +133,8 @@ mp.start_processes(w.start_grandchild_and_sleep, args=(q, grandchild_method), np
                    join=False, start_method=method)
 items = [q.get() for _ in range(4)]
 pids = [p for item in items for p in (item if isinstance(item, list) else [item]) if p]
-servers = [mp._forkserver.server_pid(), multiprocessing.forkserver._forkserver._forkserver_pid]
+servers = [mp.processes.forkserver.server_pid(),
+           multiprocessing.forkserver._forkserver._forkserver_pid]
 print(json.dumps(pids + [p for p in servers if p]), flush=True)
 time.sleep(120)
 """

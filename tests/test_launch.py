@@ -7,7 +7,7 @@ import pytest
 from test_spawn import get, join_within
 
 import torch_mp_ext as mp
-from torch_mp_ext.launch import free_port
+from torch_mp_ext.processes.launch import free_port
 
 
 def test_gloo_all_reduce_across_three_local_workers():

@@ -19,10 +19,17 @@ from torch.multiprocessing import (  # type: ignore[attr-defined]  # private nam
 )
 
 from . import _C, cuda, reductions
-from ._context import default_context as _default_context
-from ._forkserver import start_forkserver
 from ._version import __version__
-from .arena import (
+from .exchange.channel import StateDictChannel
+from .exchange.context import ContextChannel, ContextExchanger
+from .exchange.model import ModelExchanger, PeriodicalModelExchanger
+from .pipeline.api import Pipeline, Stage, pipeline, stage
+from .processes.context import default_context as _default_context
+from .processes.forkserver import start_forkserver
+from .processes.launch import launch
+from .queues.array_queue import ArrayQueue
+from .reductions import init_reductions
+from .sharing.arena import (
     empty,
     empty_array,
     empty_cache,
@@ -33,14 +40,7 @@ from .arena import (
     zeros,
     zeros_array,
 )
-from .array_queue import ArrayQueue
-from .channel import StateDictChannel
-from .context_exchange import ContextChannel, ContextExchanger
-from .exchange import ModelExchanger, PeriodicalModelExchanger
-from .launch import launch
-from .pipeline import Pipeline, Stage, pipeline, stage
-from .reductions import init_reductions
-from .sharing import (
+from .sharing.strategy import (
     _all_sharing_strategies,
     get_all_sharing_strategies,
     get_sharing_strategy,
@@ -61,8 +61,8 @@ from .spawn import (
 globals().update((name, getattr(_default_context, name)) for name in _stdlib_mp.__all__)
 
 # Tasks (docs/tasks.md): attributes, not in __all__, which stays torch.multiprocessing's.
-from ._refs import Ref, RefGenerator, get, wait
-from .tasks import TaskPool
+from .tasks.pool import TaskPool
+from .tasks.refs import Ref, RefGenerator, get, wait
 
 __all__ = [
     "set_sharing_strategy",

@@ -72,7 +72,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run
+    from torch_mp_ext_demo.demo import run
 
     return run(repeats=args.repeats, quick=args.quick)
 

@@ -5,7 +5,7 @@ change of mechanism: CPU storages travel as handles to arena blocks (``rebuild_s
 instead of one fd or one ``/dev/shm`` file per storage. Storages that torch itself put in
 shared memory (``share_memory_()``, DataLoader batches) still travel through torch's handles.
 CUDA tensors travel as torch's IPC handle plus a keep-alive slot in one of our counter files
-(Note [CUDA lifetimes] in ``_cuda_ipc.py``), through ``rebuild_cuda_tensor`` with torch's
+(Note [CUDA lifetimes] in ``cuda/ipc.py``), through ``rebuild_cuda_tensor`` with torch's
 signature; received CUDA tensors can be sent on.
 
 Note [Identity of rebuilt storages]
@@ -22,7 +22,6 @@ imports torch_mp_ext while unpickling, and must have it installed.
 
 from __future__ import annotations
 
-import os
 from multiprocessing import reduction
 from typing import Any, cast
 
@@ -50,7 +49,9 @@ from torch.multiprocessing.reductions import (  # re-exported: same behaviour as
     reduce_typed_storage_child,
 )
 
-from . import _C, _cuda_ipc, _memory
+from . import _C
+from .cuda import ipc as _cuda_ipc
+from .sharing import memory as _memory
 
 __all__ = [
     "SharedCache",
@@ -86,12 +87,6 @@ __all__ = [
 ]
 
 shared_cache = SharedCache()
-
-#: numpy arrays smaller than this that are not already in shared memory are pickled by
-#: value: for them a copy through the pipe is cheaper than a block (the result is the same,
-#: since such arrays are copied either way).
-NUMPY_MIN_SHARED_BYTES = int(os.environ.get("TORCH_MP_EXT_NUMPY_MIN_BYTES", 64 * 1024))
-
 
 def _cache_key(handle: tuple, offset: int, nbytes: int) -> tuple:
     # (segment id, block index, generation, offset, nbytes): Note [Identity of rebuilt storages]
@@ -149,7 +144,7 @@ def rebuild_storage(cls: Any, handle: tuple, offset: int, nbytes: int) -> torch.
 
 def reduce_storage(storage: torch.UntypedStorage) -> tuple:
     """Pickles a CPU storage as a block handle, moving it into shared memory first if needed
-    (Note [Moving storages in place] in ``_memory.py``)."""
+    (Note [Moving storages in place] in ``sharing/memory.py``)."""
     if storage.device.type != "cpu":  # CUDA / meta storages: torch's refusal and messages
         return _torch_reductions.reduce_storage(storage)
     nbytes = storage.nbytes()
@@ -302,17 +297,6 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple:
 # ---- numpy --------------------------------------------------------------------------------
 
 
-def _extent(arr: np.ndarray) -> tuple[int, int]:
-    """(offset of the lowest byte from arr's data pointer, bytes spanned) of an array."""
-    low = high = 0
-    for n, stride in zip(arr.shape, arr.strides):
-        if stride < 0:
-            low += stride * (n - 1)
-        else:
-            high += stride * (n - 1)
-    return low, high - low + arr.itemsize
-
-
 def rebuild_array(
     handle: tuple, offset: int, shape: tuple, dtype: np.dtype, strides: tuple, writeable: bool
 ) -> np.ndarray:
@@ -329,7 +313,7 @@ def reduce_array(arr: np.ndarray) -> tuple:
     if arr.dtype.hasobject or arr.size == 0:
         return cast(tuple, arr.__reduce__())
     data = arr.__array_interface__["data"][0]
-    low, span = _extent(arr)
+    low, span = _memory.extent(arr)
     shared = _C.share_address(data + low, span)
     if shared is not None:
         handle, offset = shared
@@ -337,7 +321,7 @@ def reduce_array(arr: np.ndarray) -> tuple:
             rebuild_array,
             (handle, offset - low, arr.shape, arr.dtype, arr.strides, arr.flags.writeable),
         )
-    if arr.nbytes < NUMPY_MIN_SHARED_BYTES:
+    if arr.nbytes < _memory.NUMPY_MIN_SHARED_BYTES:
         return cast(tuple, arr.__reduce__())
     block = _memory.allocate(arr.nbytes)
     copy = _memory.array_from_block(block, 0, arr.shape, arr.dtype, None)

@@ -56,7 +56,7 @@
 // they held is handed back to the caller, which drops the block references they could not
 // drop themselves (a SIGKILLed or SIGTERMed worker: Pool.terminate(), a DataLoader worker
 // killed on timeout). The caller that finds no live holder left, nothing in flight, is the
-// last one: it drains the ring (Note [Queue lifetime] in queues.py). Table updates are made
+// last one: it drains the ring (Note [Queue lifetime] in queues/ring_queue.py). Table updates are made
 // under the mutex; a slot is published by its key, written last, so a death mid-update
 // leaves either a free slot or a holder that the next reaper judges. Holders in another pid
 // namespace are never judged dead; beyond the table's 128 processes they are only counted.
@@ -196,7 +196,7 @@ class Ring {
   Counts counts();
 
   /// The doorbell flag of Note [SimpleQueue internals that the standard library uses] in
-  /// _queue_compat.py: true if the caller must ring (the flag was clear; it is set now).
+  /// queues/compat.py: true if the caller must ring (the flag was clear; it is set now).
   bool doorbell_should_ring();
   void doorbell_clear();
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from torch_mp_ext import _C, _memory
+from torch_mp_ext import _C
+from torch_mp_ext.sharing import memory as _memory
 from torch_mp_ext.errors import CorruptSegmentError
 
 OK, EMPTY, FULL, TIMEOUT, CLOSED = (int(s) for s in (

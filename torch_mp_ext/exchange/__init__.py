@@ -1,0 +1,21 @@
+"""Model and context exchange between a learner and its collectors, DI-engine style.
+
+- :mod:`.channel`: :class:`StateDictChannel`, a versioned latest-value channel in shared memory.
+- :mod:`.model`: :class:`ModelExchanger`, :class:`PeriodicalModelExchanger`.
+- :mod:`.context`: :class:`ContextChannel`, :class:`ContextExchanger`.
+- :mod:`.dist`: the same exchangers across hosts over ``torch.distributed``.
+"""
+
+from .channel import StateDictChannel
+from .context import ContextChannel, ContextExchanger
+from .model import Context, ModelExchanger, PeriodicalModelExchanger, run_step
+
+__all__ = [
+    "Context",
+    "ContextChannel",
+    "ContextExchanger",
+    "ModelExchanger",
+    "PeriodicalModelExchanger",
+    "StateDictChannel",
+    "run_step",
+]

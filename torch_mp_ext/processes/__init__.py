@@ -1,0 +1,18 @@
+"""Starting, watching and joining processes.
+
+- :mod:`.context`: start-method contexts (``get_context``) whose processes carry the sharing
+  strategy and whose queues are :mod:`torch_mp_ext.queues`'.
+- :mod:`.forkserver`: the fast forkserver (torch preloaded), behind ``"forkserver"``.
+- :mod:`.worker`: what runs in each worker before ``fn``; error files; dying with the parent.
+- :mod:`.exits`: why a process ended, explained.
+- :mod:`.spawn`: ``spawn``/``start_processes``/``ProcessContext`` (torch's algorithm).
+- :mod:`.launch`: local workers ready for ``torch.distributed``.
+"""
+
+from . import spawn as _spawn
+from .context import default_context
+from .forkserver import start_forkserver
+from .launch import launch
+from .spawn import *  # noqa: F403  (torch's spawn names: _spawn.__all__)
+
+__all__ = [*_spawn.__all__, "default_context", "launch", "start_forkserver"]

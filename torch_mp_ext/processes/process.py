@@ -1,0 +1,68 @@
+"""Process classes that carry the sharing strategy to their children.
+
+Note [OpenMP after fork]
+libgomp (torch's CPU thread pool) cannot be used in a child forked after the parent ran a
+parallel op: the child's first parallel op waits forever for threads that only existed in the
+parent (torch.multiprocessing hangs there). Children forked by torch_mp_ext's Process run torch
+with one intra-op thread, as DataLoader workers do; spawn and forkserver children are
+untouched. The flag is set in the parent just around fork and read by an at-fork hook.
+
+Note [Strategy inheritance]
+torch.multiprocessing's sharing strategy is a per-process global: spawn and forkserver
+children start with ``file_descriptor`` whatever the parent chose (anchor F3). Our ``Process``
+records the parent's strategy when it starts, in its own state; a spawn/forkserver child
+unpickles that state before running anything and applies it. Fork children inherit it anyway.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from multiprocessing import context as _ctx
+
+import torch
+
+from ..sharing import strategy as sharing
+
+__all__ = ["ForkProcess", "SpawnProcess", "StrategyCarrier"]
+
+
+_forking_our_child = False
+
+
+def _after_fork_in_child() -> None:
+    global _forking_our_child
+    if _forking_our_child:  # Note [OpenMP after fork]
+        _forking_our_child = False
+        torch.set_num_threads(1)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class StrategyCarrier:
+    """Mixin for Process classes: Note [Strategy inheritance], Note [OpenMP after fork]."""
+
+    def start(self) -> None:
+        global _forking_our_child
+        self._tmx_sharing_strategy = sharing.get_sharing_strategy()
+        method = getattr(self, "_start_method", None) or multiprocessing.get_start_method()
+        _forking_our_child = method == "fork"
+        try:
+            super().start()  # type: ignore[misc]
+        finally:
+            _forking_our_child = False
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        strategy = state.get("_tmx_sharing_strategy")
+        if strategy is not None and strategy != sharing.get_sharing_strategy():
+            sharing.set_sharing_strategy(strategy)
+
+
+class ForkProcess(StrategyCarrier, _ctx.ForkProcess):
+    pass
+
+
+class SpawnProcess(StrategyCarrier, _ctx.SpawnProcess):
+    pass

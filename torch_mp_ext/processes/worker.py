@@ -1,0 +1,113 @@
+"""What runs in each worker before ``fn``, and the error file it leaves when ``fn`` raises.
+
+Adapted from ``wrap`` in torch/multiprocessing/spawn.py (torch 2.13); changes: the
+parent-death signal is SIGKILL, and a parent that died first is noticed (Note [Children die
+with their parent]); ``faulthandler`` writes a native crash's stack next to the error file;
+the error file holds the exception object (pickled with its traceback, loky's pattern) as well
+as torch's traceback text, and is written atomically.
+
+Note [Children die with their parent]
+torch's children ask for SIGINT when their parent dies, which a child can catch (torch's own
+``wrap`` turns it into a clean exit) or not see while stuck in native code. Ours ask for
+SIGKILL, which always works, and check right after asking that the parent did not die before
+(the window of a spawn child's start-up). The kernel sends the signal when the thread that
+started the child ends, so start long-lived workers from a long-lived thread. Through the
+forkserver the parent is the server, which dies with its launcher (Note [Dying with the
+launcher] in ``forkserver.py``). Grandchildren started the same way die with their parent in
+turn.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import sys
+import traceback
+from typing import Any, Callable
+
+from .. import _C
+from ..errors import with_traceback
+
+__all__ = ["FAULT_SUFFIX", "read_error_file", "remove_files"]
+
+FAULT_SUFFIX = ".faulthandler"
+_ERROR_FORMAT = "torch_mp_ext-error-1"
+_IS_LINUX = sys.platform.startswith("linux")
+
+
+def die_with_parent(parent: tuple[str, int | None]) -> None:
+    """Note [Children die with their parent]."""
+    _, expected_ppid = parent
+    if _IS_LINUX:
+        _C.set_pdeathsig(signal.SIGKILL)
+    if expected_ppid is not None and os.getppid() != expected_ppid:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_error_file(path: str, exc: Exception) -> None:
+    text = traceback.format_exc()
+    try:
+        payload: bytes | None = pickle.dumps(with_traceback(exc))
+    except Exception:  # noqa: BLE001 (unpicklable: the text alone travels, as in torch)
+        payload = None
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as fh:
+        pickle.dump((_ERROR_FORMAT, text, payload), fh)
+    os.replace(tmp, path)  # the parent never reads half a file
+
+
+def wrap(fn: Callable[..., Any], i: int, args: tuple, error_file: str,
+          parent: tuple[str, int | None] = ("pdeathsig", None)) -> None:
+    die_with_parent(parent)
+    try:
+        # Kept open until exit: a crash while the interpreter shuts down is reported too.
+        fault_file = open(error_file + FAULT_SUFFIX, "w")  # noqa: SIM115
+    except OSError:
+        pass
+    else:
+        import faulthandler
+
+        faulthandler.enable(file=fault_file, all_threads=True)
+    try:
+        fn(i, *args)
+    except KeyboardInterrupt:
+        pass  # SIGINT (Ctrl-C reaches the whole process group): exit quietly, as torch does
+    except Exception as e:  # noqa: BLE001  (reported through the error file)
+        # Propagate the exception (and its text) to the parent through a file, as torch
+        # does: a queue could deadlock.
+        _write_error_file(error_file, e)
+        sys.exit(1)
+
+
+def read_error_file(path: str) -> tuple[str, BaseException | None] | None:
+    """(traceback text, the child's exception if it unpickles) from an error file, or None."""
+    try:
+        with open(path, "rb") as fh:
+            data = pickle.load(fh)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"(the error file {path} could not be read: {e!r})\n", None
+    if isinstance(data, str):  # written by torch's own wrap
+        return data, None
+    _, text, payload = data
+    exc = None
+    if payload is not None:
+        try:
+            exc = pickle.loads(payload)
+        except Exception:  # noqa: BLE001 (e.g. its class does not import here: text only)
+            exc = None
+    return text, exc
+
+
+def remove_files(error_files: list[str], directory: str | None) -> None:
+    for path in error_files:
+        for name in (path, path + FAULT_SUFFIX):
+            try:
+                os.unlink(name)
+            except OSError:
+                pass
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)

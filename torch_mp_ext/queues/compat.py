@@ -1,0 +1,147 @@
+"""What ``multiprocessing.pool.Pool`` and ``ProcessPoolExecutor`` need of a SimpleQueue.
+
+Note [SimpleQueue internals that the standard library uses]
+``multiprocessing.pool.Pool`` (3.8-3.13) and ``concurrent.futures.ProcessPoolExecutor`` take
+their SimpleQueues from the context and then reach inside them: ``_writer.send`` puts,
+``_reader.recv`` gets, ``_reader.poll()`` peeks, ``_reader.close()``/``_writer.close()`` are
+called in workers, ``_rlock`` is acquired on terminate, and ``_reader`` is waited on with
+``multiprocessing.connection.wait`` beside process sentinels, so it needs a ``fileno()`` that
+becomes readable when an item arrives from any process. This mixin provides exactly those,
+over the ring, so the standard Pool runs unchanged on torch_mp_ext's queues (no CPython
+method is overridden).
+
+The ``fileno()`` is a doorbell: a non-blocking pipe shared by every process holding the
+queue (inherited on fork, passed as ``DupFd`` when pickled) and a flag in shared memory
+meaning "a byte is in the pipe". A put rings (writes one byte) only when the flag was clear;
+a get settles: clears the flag, empties the pipe, then, if items remain, sets the flag and
+writes a byte whatever the flag said (a put may have set it and had its byte swallowed by the
+emptying). Any interleaving of these steps leaves the pipe readable whenever an item is
+queued (the flag and the ring state are read and written with sequentially consistent
+operations on both sides), and the pipe never holds more than a few bytes. Gets by
+processes that never look at ``_reader`` keep it honest too, so a waiter never spins on a
+stale byte for long.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.util
+import os
+import select
+import threading
+from multiprocessing import reduction
+from typing import Any, Optional
+
+__all__ = ["SimpleQueueCompat"]
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class _Writer:
+    """``SimpleQueue._writer``: ``send`` puts; ``close`` is a no-op (workers call it)."""
+
+    def __init__(self, q: Any) -> None:  # a SimpleQueueCompat, which is a _RingQueue
+        self._q = q
+
+    def send(self, obj: Any) -> None:
+        self._q.put(obj)
+
+    def close(self) -> None:
+        pass
+
+
+class _Reader:
+    """``SimpleQueue._reader``: ``recv``, ``poll`` and a ``fileno`` to wait on."""
+
+    def __init__(self, q: Any) -> None:  # a SimpleQueueCompat, which is a _RingQueue
+        self._q = q
+
+    def recv(self) -> Any:
+        return self._q.get()
+
+    def poll(self, timeout: Optional[float] = 0.0) -> bool:
+        q = self._q
+        if q._ring.qsize() > 0:
+            return True
+        if timeout is not None and timeout <= 0:
+            return False
+        select.select([q._doorbell[0]], [], [], timeout)
+        return q._ring.qsize() > 0
+
+    def fileno(self) -> int:
+        return self._q._doorbell[0]
+
+    def close(self) -> None:
+        pass
+
+
+class SimpleQueueCompat:
+    """Mixin for SimpleQueue (Note [SimpleQueue internals that the standard library uses])."""
+
+    _ring: Any
+    _doorbell: tuple
+
+    def _setup(self, ring: Any) -> None:
+        super()._setup(ring)  # type: ignore[misc]
+        self._rlock = threading.Lock()
+        self._wlock = None
+        self._reader = _Reader(self)
+        self._writer = _Writer(self)
+
+    def _set_doorbell(self, read_fd: int, write_fd: int) -> None:
+        os.set_blocking(read_fd, False)
+        os.set_blocking(write_fd, False)
+        self._doorbell = (read_fd, write_fd)
+        self._doorbell_finalizer = multiprocessing.util.Finalize(
+            self, _close_fds, args=(read_fd, write_fd))
+
+    def _new_doorbell(self) -> None:
+        self._set_doorbell(*os.pipe())
+
+    def _doorbell_fds(self) -> tuple:
+        """What pickling the queue sends of its doorbell (``_set_doorbell`` on arrival)."""
+        r, w = self._doorbell
+        return reduction.DupFd(r), reduction.DupFd(w)
+
+    def _after_put(self) -> None:
+        if self._ring.doorbell_should_ring():
+            try:
+                os.write(self._doorbell[1], b"\0")
+            except BlockingIOError:  # the pipe is full of rings: readable already
+                pass
+
+    def _after_get(self) -> None:
+        ring = self._ring
+        ring.doorbell_clear()
+        try:
+            while os.read(self._doorbell[0], 4096):
+                pass
+        except BlockingIOError:
+            pass
+        if ring.qsize() > 0:
+            # Ring whatever the flag says: a put may have set it and written its byte just
+            # before the drain above swallowed that byte.
+            ring.doorbell_should_ring()
+            try:
+                os.write(self._doorbell[1], b"\0")
+            except BlockingIOError:
+                pass
+
+    def put_many(self, items: Any, block: bool = True, timeout: Optional[float] = None) -> None:
+        super().put_many(items, block, timeout)  # type: ignore[misc]
+        self._after_put()
+
+    def get_many(self, max_items: int, block: bool = True,
+                 timeout: Optional[float] = None) -> Any:
+        items = super().get_many(max_items, block, timeout)  # type: ignore[misc]
+        self._after_get()
+        return items
+
+    def close(self) -> None:
+        super().close()  # type: ignore[misc]
+        self._doorbell_finalizer()

@@ -1,0 +1,434 @@
+"""Crash-safe shared-memory queues with the API of ``multiprocessing``'s.
+
+::
+
+    producer                       shared memory: one arena block              consumer
+    put(obj): pickled here  ──▶  ┌ ring: [len tag payload][len tag ...] ┐ ──▶ get(): unpickled
+    put_many(items): one lock ─▶ │ robust mutex, journaled commits,     │ ──▶ get_many(n)
+                                 └ futex waits on CLOCK_MONOTONIC       ┘
+    tensors and arrays inside items travel as block handles of a few dozen bytes
+
+:class:`Queue`, :class:`JoinableQueue` and :class:`SimpleQueue` keep the signatures,
+blocking rules and exceptions of ``multiprocessing``'s (``queue.Full``, ``queue.Empty``,
+``ValueError`` once closed; ``timeout=None`` blocks for ever) and add ``put_many`` /
+``get_many``. There is no feeder thread: ``put`` pickles in the caller's thread, so an
+unpicklable item raises there and the queue stays usable. A process killed at any point,
+even holding the queue's lock, never wedges the queue or delivers a torn item (Note [Ring
+commit] in ``csrc/queue/ring.h``). The queue holds at most ``max_bytes`` of pickled items;
+an item that could never fit raises ``ValueError`` at once, and ``put`` waits while the queue
+is full. Tensors and numpy arrays count for a few dozen bytes each, whatever their size.
+
+Note [Queue lifetime]
+Each queue object, in each process, is one *holder* of the ring (``Ring.holders``, a count in
+shared memory): the creator, every unpickled copy (the pickle carries the holder it will
+become) and every copy a fork inherits (counted by an at-fork hook). A holder stops holding
+when the object is garbage collected, closed, or its process exits normally (an exit
+finalizer, which forked multiprocessing children re-register). The holder that takes the
+count to zero, in whichever process, drains what is left and drops the references those
+frames hold (Note [Releasing dropped frames] in ``sharing/pickling.py``), then the ring's
+block goes back to the arena with its last block reference. A SIGKILLed process stays a
+holder: as with any block it held (Note [Process exit] in ``sharing/memory.py``), its queues
+are reclaimed when the segment's owner exits.
+
+Note [Failed puts]
+Each block handle in a pickled item holds a counted reference (an array copied into a block
+for the message has no other owner). A put that does not happen (``queue.Full``, a timeout,
+Ctrl-C) drops them with the frame (Note [Releasing dropped frames] in ``sharing/pickling.py``).
+
+Note [Rings are anonymous]
+A queue's ring is an anonymous arena block whatever the sharing strategy: the strategy is
+about what each *tensor* costs (an fd or a ``/dev/shm`` name), while a ring is one segment
+that every process maps once and whose fd no receiver keeps (Note [fd budget] in
+``csrc/shm/registry.h``). Anonymous, it can leave no name behind after a SIGKILL, and
+``file_system`` users' ``/dev/shm`` holds only their tensors. The one cost: a process that
+first receives a queue after its creator exited cannot map it (the creator's fd server is
+gone), so give queues to processes while their creator lives (the usual parent → child).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.util
+import os
+import queue
+import weakref
+from typing import Any, Iterable, List, NoReturn, Optional
+
+from .. import _C
+from ..errors import QueueClosedError
+from ..sharing.pickling import TAG_BYTES, decode, dumps, loads, release_frame
+from ..sharing.strategy import get_all_sharing_strategies
+from .compat import SimpleQueueCompat
+
+__all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES"]
+
+#: Bytes of pickled items a queue holds by default: its shared-memory footprint is this plus
+#: one page (memory reserved at creation, tensors and arrays not counted).
+DEFAULT_MAX_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_BYTES", 4 * 1024 * 1024 - 4096))
+#: Busy-wait before a blocked get/put sleeps (Note [Why not pthread_cond_t]).
+SPIN_NS = int(os.environ.get("TORCH_MP_EXT_QUEUE_SPIN_NS", 50_000))
+
+#: Note [Rings are anonymous]: only where there is no file_descriptor strategy is a ring named.
+_RING_NAMED = "file_descriptor" not in get_all_sharing_strategies()
+
+_OK, _EMPTY, _FULL, _TIMEOUT, _CLOSED = (int(s) for s in (
+    _C.Status.Ok, _C.Status.Empty, _C.Status.Full, _C.Status.Timeout, _C.Status.Closed))
+
+# ---- holders (Note [Queue lifetime]) ------------------------------------------------------
+
+_held: weakref.WeakSet[_C.Ring] = weakref.WeakSet()
+
+
+def _let_go(ring: _C.Ring) -> None:
+    _held.discard(ring)
+    if ring.detach():
+        for tag, data in ring.drain():
+            release_frame(tag, data)
+    # The block reference goes now, not at interpreter exit: a process SIGTERMed in between
+    # (Pool.terminate() during a worker's exit) would otherwise keep the ring alive.
+    ring.release()
+
+
+def _let_go_all() -> None:
+    for ring in list(_held):
+        _let_go(ring)
+
+
+def _after_fork_in_child() -> None:
+    for ring in list(_held):
+        ring.attach_inherited()
+
+
+def _register_exit_hook() -> None:
+    # After user finalizers, before _memory drops this process's block references (-100).
+    multiprocessing.util.Finalize(None, _let_go_all, exitpriority=-50)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+_register_exit_hook()
+multiprocessing.util.register_after_fork(_register_exit_hook, lambda _: _register_exit_hook())
+
+
+def _timeout(block: bool, timeout: Optional[float]) -> float:
+    """Seconds for the ring: negative waits for ever, 0 never waits (negative user timeouts
+    mean "do not wait", as in ``multiprocessing``)."""
+    if not block:
+        return 0.0
+    if timeout is None:
+        return -1.0
+    return max(float(timeout), 0.0)
+
+
+def _rebuild(cls: Any, handle: tuple, maxsize: int) -> _RingQueue:
+    self = cls.__new__(cls)
+    self._maxsize = maxsize
+    self._setup(_C.Ring.open(_C.attach(handle)))
+    return self
+
+
+def _rebuild_simple(cls: type, handle: tuple, read_fd: Any, write_fd: Any) -> Any:
+    q: Any = _rebuild(cls, handle, 0)
+    q._set_doorbell(read_fd.detach(), write_fd.detach())
+    return q
+
+
+class _RingQueue:
+    """What the three queues share: a ring, pickling, closing, pickling the queue itself."""
+
+    _joinable = False
+
+    def __init__(self, maxsize: int = 0, *, max_bytes: Optional[int] = None,
+                 ctx: Any = None) -> None:
+        capacity = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 16:
+            raise ValueError(f"max_bytes must be an integer of at least 16, got {max_bytes!r}")
+        self._maxsize = maxsize if maxsize > 0 else 0
+        block = _C.allocate(_C.Ring.footprint(capacity), _RING_NAMED)
+        self._setup(_C.Ring.create(block, capacity, self._maxsize, self._joinable, SPIN_NS))
+
+    def _setup(self, ring: _C.Ring) -> None:
+        self._ring = ring
+        self._closed = False
+        self._max_payload = ring.capacity - _C.Ring.frame_bytes(0)
+        _held.add(ring)
+        self._finalizer = multiprocessing.util.Finalize(self, _let_go, args=(ring,))
+
+    # -- pickling the queue itself: Queue objects cross to children (any start method) and
+    #    may also be sent through other queues.
+    def __reduce__(self) -> tuple:
+        self._check_closed()
+        return (_rebuild, (type(self), self._ring.share(), self._maxsize))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"capacity={self._ring.capacity}"
+        return f"<{type(self).__module__}.{type(self).__qualname__} {state} at {id(self):#x}>"
+
+    def _check_closed(self) -> None:
+        if self._closed:
+            raise QueueClosedError(f"Queue {self!r} is closed")
+
+    def _raise(self, status: int) -> NoReturn:
+        if status == _EMPTY:
+            raise queue.Empty
+        if status == _FULL:
+            raise queue.Full
+        if status == _CLOSED:
+            raise QueueClosedError(f"Queue {self!r} is closed")
+        raise RuntimeError(f"unexpected queue status {status}")
+
+    def _note(self, exc: BaseException, obj: Any) -> None:
+        if hasattr(exc, "add_note"):  # Python >= 3.11: the type shows in the traceback
+            exc.add_note(f"while putting an item of type {type(obj).__qualname__} on "
+                         f"{self!r}; nothing was put")
+
+    def _oversize(self, obj: Any, nbytes: int) -> ValueError:
+        return ValueError(
+            f"an item of type {type(obj).__qualname__} pickles to {nbytes} bytes, more than "
+            f"{self!r} can ever hold ({self._max_payload} bytes of payload): create the queue "
+            f"with a larger max_bytes=, or send large data as tensors or numpy arrays (they "
+            f"travel as shared-memory handles of a few dozen bytes)")
+
+    def _unusual(self, result: Any) -> Any:
+        if type(result) is int:
+            self._raise(result)
+        return decode(*result)
+
+    # -- the multiprocessing API -----------------------------------------------------------
+    def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
+        """Puts ``obj``, waiting for room unless ``block`` is false (then ``queue.Full``).
+
+        Args:
+            obj: any picklable object; tensors and arrays inside travel by handle.
+            block: wait while the queue is full.
+            timeout: most seconds to wait (``None``: for ever), then ``queue.Full``.
+
+        Raises:
+            queue.Full: no room in time.
+            ValueError: the queue is closed (``QueueClosedError``), or ``obj`` can never fit.
+            Exception: whatever pickling ``obj`` raised (nothing is put).
+        """
+        if self._closed:
+            self._check_closed()
+        if type(obj) is bytes:
+            tag, data = TAG_BYTES, obj
+        else:
+            tag = 0
+            try:
+                data = dumps(obj)
+            except Exception as exc:
+                self._note(exc, obj)
+                raise
+        if len(data) > self._max_payload:
+            raise self._oversize(obj, len(data))
+        try:
+            status = self._ring.put(data, tag, -1.0 if block and timeout is None
+                                    else _timeout(block, timeout))
+        except BaseException:  # Ctrl-C while waiting: nothing was put
+            release_frame(tag, data)
+            raise
+        if status:
+            release_frame(tag, data)  # Note [Failed puts]
+            self._raise(status)
+
+    def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+        """Removes and returns the oldest item, waiting for one unless ``block`` is false.
+
+        Raises:
+            queue.Empty: nothing arrived in time.
+            ValueError: the queue is closed (``QueueClosedError``).
+        """
+        if self._closed:
+            self._check_closed()
+        result = self._ring.get(-1.0 if block and timeout is None else _timeout(block, timeout))
+        if type(result) is bytes:
+            return loads(result)
+        return self._unusual(result)
+
+    def put_nowait(self, obj: Any) -> None:
+        """``put(obj, False)``."""
+        self.put(obj, False)
+
+    def get_nowait(self) -> Any:
+        """``get(False)``."""
+        return self.get(False)
+
+    def put_many(self, items: Iterable[Any], block: bool = True,
+                 timeout: Optional[float] = None) -> None:
+        """Puts every item, in order, under one lock: all of them or none.
+
+        Raises:
+            queue.Full: the batch did not fit in time (nothing was put).
+            ValueError: closed, or the batch is larger than the queue could ever hold.
+        """
+        self._check_closed()
+        payloads: List[bytes] = []
+        append = payloads.append
+        limit = self._max_payload
+        obj: Any = None
+        try:
+            for obj in items:  # bytes items are pickled too here: one tag for the batch
+                data = dumps(obj)
+                if len(data) > limit:
+                    break
+                append(data)
+            else:
+                obj = None
+        except Exception as exc:
+            self._note(exc, obj)
+            raise
+        if obj is not None:
+            raise self._oversize(obj, len(data))
+        if not payloads:
+            return
+        status = -1
+        try:
+            status = self._ring.put_many(payloads, None, _timeout(block, timeout))
+        finally:
+            if status:  # Note [Failed puts]
+                for data in payloads:
+                    release_frame(0, data)
+        if status:
+            self._raise(status)
+
+    def get_many(self, max_items: int, block: bool = True,
+                 timeout: Optional[float] = None) -> List[Any]:
+        """Removes up to ``max_items`` of the oldest items under one lock (at least one).
+
+        Raises:
+            queue.Empty: nothing arrived in time.
+            ValueError: the queue is closed, or ``max_items`` < 1.
+        """
+        self._check_closed()
+        if max_items < 1:
+            raise ValueError(f"max_items must be at least 1, got {max_items}")
+        status, payloads, tags = self._ring.get_many(max_items, _timeout(block, timeout))
+        if status:
+            self._raise(status)
+        if tags is None:
+            return [loads(p) for p in payloads]
+        return [decode(tag, p) for tag, p in zip(tags, payloads)]
+
+    def _put_frame(self, data: bytes, timeout: float) -> bool:
+        """Puts an item pickled by ``_pickling.dumps`` (at most ``max_bytes - 8`` bytes),
+        waiting at most ``timeout`` s; False if there was no room, the frame and its
+        references staying the caller's (pipelines pickle once, retry in slices)."""
+        if self._closed:
+            self._check_closed()
+        status = self._ring.put(data, 0, timeout)
+        if status in (_FULL, _TIMEOUT):
+            return False
+        if status:
+            self._raise(status)
+        return True
+
+    def qsize(self) -> int:
+        """Items in the queue now (exact at the moment it was read)."""
+        self._check_closed()
+        return self._ring.qsize()
+
+    def empty(self) -> bool:
+        """True if the queue held no item when checked."""
+        return self.qsize() == 0
+
+    def full(self) -> bool:
+        """True if ``maxsize`` items are queued or no further item would fit."""
+        self._check_closed()
+        count, used, _ = self._ring.counts()
+        if self._maxsize and count >= self._maxsize:
+            return True
+        return used + _C.Ring.frame_bytes(1) > self._ring.capacity
+
+    def close(self) -> None:
+        """Closes this queue object in this process: later calls on it raise ``ValueError``
+        and its blocked calls return with it. Other processes' objects are not affected."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ring.close()
+        self._finalizer()  # stop holding the ring (Note [Queue lifetime])
+
+    def join_thread(self) -> None:
+        """No feeder thread to join; valid after :meth:`close`, as in ``multiprocessing``."""
+        if not self._closed:
+            raise AssertionError(f"Queue {self!r} not closed")
+
+    def cancel_join_thread(self) -> None:
+        """Nothing to cancel: items are in shared memory as soon as ``put`` returns."""
+
+    @property
+    def max_bytes(self) -> int:
+        """Bytes of frames (pickled items plus 8 bytes each) the queue holds at most."""
+        return self._ring.capacity
+
+    @property
+    def maxsize(self) -> int:
+        """Items the queue holds at most (0: only ``max_bytes`` limits it)."""
+        return self._maxsize
+
+
+class Queue(_RingQueue):
+    """``multiprocessing.Queue`` over a crash-safe shared-memory ring.
+
+    Args:
+        maxsize: most items queued at once; ``<= 0`` means no item limit.
+        max_bytes: most bytes of pickled items queued at once (default
+            :data:`DEFAULT_MAX_BYTES`, about 4 MiB; reserved in shared memory at creation).
+        ctx: accepted for compatibility with ``multiprocessing.queues.Queue``; unused.
+    """
+
+
+class JoinableQueue(Queue):
+    """``multiprocessing.JoinableQueue``: a :class:`Queue` that counts unfinished tasks."""
+
+    _joinable = True
+
+    def task_done(self) -> None:
+        """Marks one item taken by ``get`` as processed.
+
+        Raises:
+            ValueError: called more times than items were put.
+        """
+        if self._ring.task_done() == _EMPTY:
+            raise ValueError("task_done() called too many times")
+
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Blocks until every item put has been marked done by :meth:`task_done`.
+
+        Args:
+            timeout: most seconds to wait (``None``: for ever; an extension).
+
+        Returns:
+            True when no task is unfinished, False if ``timeout`` passed first.
+        """
+        self._check_closed()
+        status = self._ring.join(-1.0 if timeout is None else max(float(timeout), 0.0))
+        if status == _CLOSED:
+            self._raise(status)
+        return status == _OK
+
+
+class SimpleQueue(SimpleQueueCompat, _RingQueue):
+    """``multiprocessing.SimpleQueue``: unbounded in items, ``get``/``put`` block for ever.
+
+    Args:
+        max_bytes: most bytes of pickled items queued at once (see :class:`Queue`).
+        ctx: accepted for compatibility; unused.
+    """
+
+    def __init__(self, *, max_bytes: Optional[int] = None, ctx: Any = None) -> None:
+        super().__init__(0, max_bytes=max_bytes)
+        self._new_doorbell()
+
+    def __reduce__(self) -> tuple:
+        self._check_closed()
+        return (_rebuild_simple, (type(self), self._ring.share(), *self._doorbell_fds()))
+
+    def get(self) -> Any:  # type: ignore[override]
+        """Removes and returns the oldest item, waiting as long as it takes."""
+        item = super().get()
+        self._after_get()
+        return item
+
+    def put(self, obj: Any) -> None:  # type: ignore[override]
+        """Puts ``obj``, waiting for room as long as it takes."""
+        super().put(obj)
+        self._after_put()

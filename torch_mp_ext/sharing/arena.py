@@ -1,0 +1,158 @@
+"""Tensors and arrays born in shared memory, and moving existing ones there in place.
+
+A tensor from :func:`empty` lives in a pooled shared-memory block from the start: sending it
+to another process sends a handle of a few dozen bytes, whatever its size, and the receiver
+maps the same pages (Note [Arena size classes] in ``csrc/shm/arena.h``). :func:`share_` moves
+existing tensors, modules and state_dicts there, in place, like ``share_memory_()``.
+
+Example::
+
+    import torch_mp_ext as mp
+    batch = mp.empty(256, 3, 224, 224)          # already shared: sending copies nothing
+    frames = mp.empty_array((64, 480, 640), "uint8")
+    model = mp.share_(model)                    # parameters and buffers moved in place
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar, Union
+
+import numpy as np
+import torch
+
+from .. import _C
+from . import memory as _memory
+
+__all__ = [
+    "empty",
+    "zeros",
+    "empty_like",
+    "empty_array",
+    "zeros_array",
+    "share_",
+    "is_shared",
+    "empty_cache",
+    "memory_stats",
+]
+
+_SizeArg = Union[int, Sequence[int], torch.Size]
+T = TypeVar("T")
+
+
+def _parse_size(size: tuple) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    out = []
+    for dim in size:
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 0:
+            raise ValueError(f"sizes must be non-negative integers, got {size!r}")
+        out.append(int(dim))
+    return tuple(out)
+
+
+def empty(*size: _SizeArg, dtype: torch.dtype | None = None,
+          requires_grad: bool = False) -> torch.Tensor:
+    """An uninitialised CPU tensor in shared memory (like ``torch.empty``).
+
+    Args:
+        *size: the shape, as integers or one sequence.
+        dtype: defaults to ``torch.get_default_dtype()``.
+        requires_grad: whether autograd records operations on it.
+    """
+    shape = _parse_size(size)
+    dtype = dtype or torch.get_default_dtype()
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype, requires_grad=requires_grad)
+    storage = _memory.storage_from_block(_memory.allocate(nbytes), 0, nbytes)
+    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
+    return tensor.requires_grad_(requires_grad)
+
+
+def zeros(*size: _SizeArg, dtype: torch.dtype | None = None,
+          requires_grad: bool = False) -> torch.Tensor:
+    """A zero-filled CPU tensor in shared memory (like ``torch.zeros``)."""
+    tensor = empty(*size, dtype=dtype)
+    tensor.zero_()
+    return tensor.requires_grad_(requires_grad)
+
+
+def empty_like(
+    tensor: torch.Tensor, *, dtype: torch.dtype | None = None, requires_grad: bool = False
+) -> torch.Tensor:
+    """An uninitialised shared-memory tensor with ``tensor``'s shape (contiguous)."""
+    return empty(tensor.shape, dtype=dtype or tensor.dtype, requires_grad=requires_grad)
+
+
+def empty_array(shape: _SizeArg, dtype: Any = np.float64) -> np.ndarray:
+    """An uninitialised numpy array in shared memory (like ``numpy.empty``)."""
+    shape = _parse_size((shape,)) if not isinstance(shape, (int, np.integer)) else (int(shape),)
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise ValueError(f"arrays of dtype {dtype} hold Python objects and cannot be shared")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype=dtype)
+    return _memory.array_from_block(_memory.allocate(nbytes), 0, shape, dtype, None)
+
+
+def zeros_array(shape: _SizeArg, dtype: Any = np.float64) -> np.ndarray:
+    """A zero-filled numpy array in shared memory (like ``numpy.zeros``)."""
+    arr = empty_array(shape, dtype)
+    arr.fill(0)
+    return arr
+
+
+def is_shared(obj: torch.Tensor | np.ndarray) -> bool:
+    """True if ``obj``'s memory is in a torch_mp_ext block or torch's shared memory.
+
+    ``Tensor.is_shared()`` only knows torch's own allocators, so it answers False for
+    arena tensors (see docs/migration.md).
+    """
+    if isinstance(obj, np.ndarray):
+        low, span = _memory.extent(obj)
+        return obj.size > 0 and _C.contains(obj.__array_interface__["data"][0] + low, span)
+    storage = obj.untyped_storage()
+    if storage.device.type != "cpu":
+        return storage.is_shared()
+    return _C.contains(storage.data_ptr(), storage.nbytes()) or storage.is_shared()
+
+
+def share_(obj: T) -> T:
+    """Moves tensors into shared memory in place and returns ``obj``.
+
+    ``obj`` may be a tensor, a ``torch.nn.Module`` (parameters and buffers), or a dict,
+    list or tuple of those, nested (a ``state_dict``). Every view of a moved storage follows
+    it (Note [Moving storages in place] in ``sharing/memory.py``). Tensors already shared stay put.
+    """
+    if isinstance(obj, torch.Tensor):
+        _memory.move_storage_(obj.untyped_storage())
+    elif isinstance(obj, torch.nn.Module):
+        for tensor in list(obj.parameters()) + list(obj.buffers()):
+            _memory.move_storage_(tensor.untyped_storage())
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            share_(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            share_(value)
+    else:
+        raise TypeError(
+            "share_() takes a tensor, an nn.Module, or a dict/list/tuple of them, "
+            f"got {type(obj).__name__}"
+        )
+    return obj
+
+
+def empty_cache() -> int:
+    """Returns fully free pooled segments of this process to the OS; returns bytes freed."""
+    return _C.empty_cache()
+
+
+def memory_stats() -> dict[str, int]:
+    """This process's arena and mapping counters (segments, bytes, live blocks, ...)."""
+    return dict(_C.arena_stats())

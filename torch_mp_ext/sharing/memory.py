@@ -1,0 +1,163 @@
+"""Storages and arrays over shared-memory blocks: the torch/numpy side of the arena.
+
+Note [Moving storages in place]
+A CPU storage that is not in shared memory yet is moved, like torch's ``share_memory_()``:
+its bytes are copied once into a new block and the storage's data pointer is swapped
+(``UntypedStorage._swap_data_ptr_``), so every tensor viewing that storage, in the sender
+too, now lives in the block. Writes by receivers are then visible to the sender, as in torch.
+The swapped-in storage is not resizable: ``resize_()`` raises ``RuntimeError`` instead of
+torch 2.13's segfault. Where ``_swap_data_ptr_`` is missing (torch older than 2.2), torch's
+own ``share_memory_()`` does the move and the storage travels through torch's handles.
+
+Note [Process exit]
+Block references are counted in shared memory. A process that exits while it still holds
+tensors over blocks drops those references in a multiprocessing finalizer (lowest priority,
+so after queues flushed and children were joined); a SIGKILLed process cannot, and its
+blocks stay referenced until their owner exits (file_system names are reaped, see
+``_C.reap_dead_segments``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.util
+import os
+import threading
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+from .. import _C
+from .strategy import get_sharing_strategy
+
+__all__ = [
+    "allocate",
+    "storage_from_block",
+    "array_from_block",
+    "share_storage",
+    "move_storage_",
+    "in_block",
+    "can_swap",
+    "numpy_in_blocks",
+    "extent",
+    "NUMPY_MIN_SHARED_BYTES",
+]
+
+#: numpy arrays smaller than this that are not already in shared memory are pickled by
+#: value: for them a copy through the pipe is cheaper than a block (the result is the same,
+#: since such arrays are copied either way).
+NUMPY_MIN_SHARED_BYTES = int(os.environ.get("TORCH_MP_EXT_NUMPY_MIN_BYTES", 64 * 1024))
+
+
+def extent(arr: np.ndarray) -> tuple[int, int]:
+    """(offset of the lowest byte from arr's data pointer, bytes spanned) of an array."""
+    low = high = 0
+    for n, stride in zip(arr.shape, arr.strides):
+        if stride < 0:
+            low += stride * (n - 1)
+        else:
+            high += stride * (n - 1)
+    return low, high - low + arr.itemsize
+
+_move_lock = threading.Lock()
+_used_file_system = False
+
+can_swap = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def allocate(nbytes: int, strategy: Optional[str] = None) -> _C.Block:
+    """A new block of at least ``nbytes`` for ``strategy`` (default: the current one)."""
+    global _used_file_system
+    named = (strategy or get_sharing_strategy()) == "file_system"
+    _used_file_system |= named
+    return _C.allocate(nbytes, named)
+
+
+def storage_from_block(block: _C.Block, offset: int, nbytes: int) -> torch.UntypedStorage:
+    """A CPU storage viewing ``nbytes`` of ``block`` from ``offset``; keeps ``block`` alive."""
+    view = torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=offset)
+    return view.untyped_storage()
+
+
+def array_from_block(
+    block: _C.Block, offset: int, shape: tuple, dtype: np.dtype, strides: Optional[tuple]
+) -> np.ndarray:
+    """A numpy array viewing ``block`` (its ``base`` keeps the block alive)."""
+    # Block has the buffer protocol; numpy's stubs do not know it.
+    return np.ndarray(shape, dtype=dtype, buffer=block,  # type: ignore[arg-type]
+                      offset=offset, strides=strides)
+
+
+def in_block(address: int, nbytes: int) -> bool:
+    """True if ``[address, address + nbytes)`` lies in a live block this process maps."""
+    return _C.contains(address, nbytes)
+
+
+def share_storage(storage: torch.UntypedStorage) -> Optional[Tuple[tuple, int]]:
+    """``(handle, offset)`` with a new reference for a storage inside a block, else None."""
+    return _C.share_address(storage.data_ptr(), storage.nbytes())
+
+
+def move_storage_(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """Moves a non-empty CPU storage into shared memory in place (Note [Moving storages in
+    place]); a storage already in a block, or shared by torch, is left as it is."""
+    nbytes = storage.nbytes()
+    if nbytes == 0 or storage.device.type != "cpu":
+        return storage
+    with _move_lock:  # two threads pickling one storage must not both move it
+        if in_block(storage.data_ptr(), nbytes) or storage.is_shared():
+            return storage
+        if not can_swap:
+            storage.share_memory_()
+            return storage
+        block = allocate(nbytes)
+        fresh = storage_from_block(block, 0, nbytes)
+        fresh.copy_(storage)
+        storage._swap_data_ptr_(fresh)  # type: ignore[attr-defined]  # torch >= 2.1, private
+        del fresh  # now holds the old memory: free it
+    return storage
+
+
+def _numpy_array_api() -> Optional[object]:
+    """numpy's C-API capsule, where numpy has memory handlers (NEP 49, numpy >= 1.22)."""
+    if np.lib.NumpyVersion(np.__version__) < "1.22.0":
+        return None
+    import importlib
+
+    for name in ("numpy._core._multiarray_umath", "numpy.core._multiarray_umath"):
+        try:
+            return importlib.import_module(name)._ARRAY_API
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def numpy_in_blocks(enable: bool = True) -> bool:
+    """Makes numpy allocate this thread's arrays of 64 KiB or more in arena blocks (or stops).
+
+    Note [Arrays born shared] in ``csrc/shm/block_allocator.h``: such an array crosses to
+    another process as a handle, without the copy an array in private memory costs. numpy's
+    handler is per context, so only the calling thread (and contexts copied from it) is
+    affected. Returns False, changing nothing, where numpy has no memory handlers.
+    """
+    api = _numpy_array_api()
+    if api is None:
+        return False
+    _C.set_numpy_allocator(api, enable, max(NUMPY_MIN_SHARED_BYTES, 1))
+    return True
+
+
+def _release_at_exit() -> None:
+    _C.release_all()
+    if _used_file_system:
+        _C.reap_dead_segments()
+
+
+def _register_exit_hook() -> None:
+    # Note [Process exit]: after the queues' finalizers (priority 10) and child joins.
+    multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=-100)
+
+
+_register_exit_hook()
+# Forked multiprocessing children clear inherited finalizers, then run after-fork hooks.
+multiprocessing.util.register_after_fork(_register_exit_hook, lambda _: _register_exit_hook())

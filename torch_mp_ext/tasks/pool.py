@@ -1,0 +1,388 @@
+"""Task pools whose tasks return many values: Ray-style generator tasks, streamed as produced.
+
+::
+
+    caller process                                                    worker processes
+    ─────────────────────────────────────────────                     ─────────────────
+    pool.submit(fn, *args, num_returns=...)
+      │ pickled here (Refs in args: once ready)     own task queue
+      └─▶ dispatch to an idle worker ─────────────────────────────▶  fn(*args): each value
+                                                                      yielded is pickled at
+    collector thread ◀── one result queue ◀── (ITEM tid i wire) ───  once: tensors/arrays
+      │ fills Refs / RefGenerator buffers,                            → arena blocks, the
+      │ notices dead workers (sentinels),           ◀── (DONE ...) ─  message only handles
+      │ dispatches the next task                    ──▶ (CREDIT / CANCEL) between yields
+      ▼
+    Ref.get(): unpickles, zero-copy views of the worker's blocks (never a copy of the data)
+
+Note [Task protocol]
+Every worker has its own task queue (the pool decides which worker runs what, so it knows
+whose refs to fail when a worker dies) and all share one result queue; both are
+``torch_mp_ext.Queue`` rings, so a worker SIGKILLed mid-``put`` leaves them usable. The
+messages are in ``tasks/worker.py``. A worker runs one task at a time and gets the next when
+its DONE arrives. Values arrive in order per worker, and a dead worker's messages are all
+read before its death is handled, so its refs get every value it produced before the error.
+Back-pressure (``max_buffered``): a streaming worker that is ``max_buffered`` values ahead of
+the consumer sends WAIT and blocks on its queue; the consumer's ``next()`` sends a CREDIT
+(how many it consumed) once it has caught up. Cancellation is a CANCEL the worker reads after
+each ``yield``; it closes the generator (``GeneratorExit`` at the ``yield``) and sends DONE.
+
+Note [Exit]
+A pool still running when the interpreter exits (nobody called ``shutdown()``) is terminated
+by an exit finalizer that runs before ``multiprocessing``'s: refs still owed get
+``PoolClosedError``, workers are killed (as ``multiprocessing.Pool`` terminates its daemonic
+workers), and the collector thread ends. Otherwise the interpreter would freeze that daemon
+thread wherever it was, possibly holding ``STATE``, and a RefGenerator collected later
+would wait for the lock for ever.
+
+Note [Who reads the result queue]
+A value that arrives while the caller waits for it should not need a second thread to wake
+the caller: handing the GIL from a busy collector thread to a waiting one can take the
+interpreter's whole switch interval (5 ms). So whoever waits (``next()``, ``get()``) reads the
+result queue itself, under the pool's pump lock, and handles every message it finds, for
+any task. The collector thread reads it only while no one has waited for 10 ms, and checks
+for dead workers every 20 ms either way.
+
+Note [Counts that differ from num_returns]
+A fixed ``num_returns=k`` generator has its first k-1 values sent as yielded; the k-th is
+pickled at once but sent when the generator has finished, because only then is it known that
+it does not yield more. Too many: the generator is closed at value k+1 and ref k holds a
+``ReturnCountError`` (Ray only logs this, ray-project/ray#28689). Too few: the missing refs
+hold one, saying how many were expected and produced. An exception after the last value goes
+into ref k as well. ``"dynamic"`` and ``"streaming"`` have no count to match.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from multiprocessing import util
+from typing import Any, Callable
+
+from ..errors import PoolClosedError, TaskCancelledError
+from ..processes import exits as _exits
+from ..processes.context import default_context
+from ..queues.ring_queue import Queue
+from . import worker as W
+from .refs import STATE, Entry, Ref, RefGenerator
+from .state import (
+    Task,
+    TaskState,
+    Worker,
+    error_value,
+    next_tid,
+    parse_num_returns,
+    pending_refs,
+)
+from .streams import Stream
+from .values import Value, encode
+
+__all__ = ["TaskPool"]
+
+log = logging.getLogger("torch_mp_ext.tasks")
+
+_TASK_QUEUE_BYTES = 1 << 20
+_STOP_WAIT_S = 5.0
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def _terminate_all() -> None:
+    """At exit, before multiprocessing's own exit handler: stop pools nobody shut down."""
+    for pool in list(_live):
+        pool._terminate()
+
+
+# Priority 20: before multiprocessing terminates daemonic children (Note [Exit] below).
+util.Finalize(None, _terminate_all, exitpriority=20)
+util.register_after_fork(_live, lambda _: _live.clear())
+
+
+class TaskPool(TaskState):
+    """A pool of worker processes running tasks that return one value, k values, or a stream.
+
+    Args:
+        processes: number of workers (default ``os.cpu_count()``).
+        start_method: ``"forkserver"`` (default: torch_mp_ext's fast server, see
+            docs/processes.md), ``"spawn"`` or ``"fork"``.
+        initializer: called as ``initializer(*initargs)`` in each worker when it starts;
+            if it raises, the pool stops and its tasks fail with ``PoolClosedError``.
+        initargs: arguments for ``initializer``.
+
+    ``fn`` and its arguments must pickle (module-level functions, as for
+    ``multiprocessing.Pool``). Used as a context manager, the pool is shut down (waiting
+    for its tasks) on exit.
+    """
+
+    def __init__(self, processes: int | None = None, *, start_method: str | None = None,
+                 initializer: Callable[..., Any] | None = None, initargs: tuple = ()) -> None:
+        count = (os.cpu_count() or 1) if processes is None else processes
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"processes must be a positive integer, got {processes!r}")
+        method = start_method or "forkserver"
+        self._ctx: Any = default_context.get_context(method)  # ValueError for unknown names
+        self._init = (initializer, tuple(initargs))
+        self._results = Queue()
+        self._workers: dict[int, Worker] = {}
+        self._idle: deque = deque()
+        self._ready: deque = deque()
+        self._tasks: dict[int, Task] = {}
+        self._closing = False
+        self._broken: str | None = None
+        self._wids = itertools.count()
+        self._oom_before = _exits.oom_kill_counts()
+        self._thread: threading.Thread | None = None
+        self._pump = threading.Lock()
+        self._consumer_until = 0.0
+        self._stopped = False
+        try:
+            for _ in range(count):
+                self._start_worker()
+        except BaseException:
+            self._stop_workers()
+            raise
+        self._thread = threading.Thread(target=self._collect, name="TaskPool-collector",
+                                        daemon=True)
+        self._thread.start()
+        _live.add(self)
+
+    # -- public API ------------------------------------------------------------------------
+    def submit(self, fn: Callable[..., Any], /, *args: Any, num_returns: int | str = 1,
+               max_retries: int = 0, max_buffered: int | None = None,
+               **kwargs: Any) -> Ref | list[Ref] | RefGenerator:
+        """Runs ``fn(*args, **kwargs)`` in a worker.
+
+        Args:
+            fn: a picklable callable; a function or a generator function.
+            *args: its arguments. A :class:`Ref` argument is passed as its value, read in
+                the worker from shared memory; the task starts once such refs are ready.
+            num_returns: ``1``: one :class:`Ref`. ``k``: a list of k refs, filled as the
+                generator yields (or from a returned list/tuple of k values).
+                ``"dynamic"``: one Ref whose value, once the task ends, is a
+                :class:`RefGenerator` of all the values. ``"streaming"``: a RefGenerator at
+                once, yielding each ref as soon as the worker yields the value.
+            max_retries: times to re-run the task when its worker dies (a generator is
+                re-run from the start, values already delivered are skipped: it must be
+                deterministic). The task's own exceptions are never retried.
+            max_buffered: ``"streaming"`` only: the worker pauses while this many values
+                are yielded but not yet taken by the consumer (default: no limit).
+            **kwargs: keyword arguments of ``fn``.
+
+        Raises:
+            ValueError: invalid ``num_returns``, ``max_retries`` or ``max_buffered``.
+            PoolClosedError: the pool was shut down.
+            Exception: whatever pickling ``fn`` or its arguments raised.
+        """
+        mode, k = parse_num_returns(num_returns)
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be a non-negative integer, got {max_retries!r}")
+        if max_buffered is not None and (mode != W.MODE_STREAMING or isinstance(
+                max_buffered, bool) or not isinstance(max_buffered, int) or max_buffered < 1):
+            raise ValueError(f"max_buffered must be None or a positive integer, and only with "
+                             f"num_returns='streaming'; got {max_buffered!r} with "
+                             f"num_returns={num_returns!r}")
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        task = Task(self, W.label(fn), mode, k, max_buffered, max_retries)
+        call = (fn, args, kwargs)
+        with STATE:
+            waiting = pending_refs(args, kwargs)
+        if not waiting:
+            task.payload = Value.from_wire(encode(call))  # pickling errors raise here
+        with STATE:
+            if self._closing or self._broken:
+                if task.payload is not None:
+                    task.payload = None
+                raise PoolClosedError(self._broken or "submit() on a TaskPool that was shut "
+                                      "down: submit before shutdown(), or use a new pool")
+            oids = range(k) if mode in (W.MODE_ONE, W.MODE_FIXED) else range(1)
+            if mode == W.MODE_STREAMING:
+                task.stream = Stream(task)
+            else:
+                task.entries = [Entry((task.tid, i, task.label), None, self) for i in oids]
+            self._tasks[task.tid] = task
+            waiting = [e for e in waiting if e.value is None]
+            if waiting or task.payload is None:
+                task.call = call
+                task.deps = len(waiting)
+                for entry in waiting:
+                    entry.dependents = (entry.dependents or []) + [task]
+                if not waiting:
+                    self._make_ready(task)
+            else:
+                self._ready.append(task)
+            self._dispatch()
+        if mode == W.MODE_STREAMING:
+            return RefGenerator(_stream=task.stream)
+        refs = [Ref(e) for e in task.entries]
+        return refs if mode == W.MODE_FIXED else refs[0]
+
+    def put(self, obj: Any) -> Ref:
+        """A :class:`Ref` to ``obj``, stored as task values are (Ray's ``ray.put``): pass it
+        to several tasks and its tensors and arrays are shared, never copied per task."""
+        return Ref(Entry((next_tid(), 0, "put"), Value.from_wire(encode(obj))))
+
+    def shutdown(self, wait: bool = True, cancel_pending: bool = False) -> None:
+        """Stops the pool once its tasks have ended; no task may be submitted any more.
+
+        Args:
+            wait: block until every task has ended and the workers have exited.
+            cancel_pending: fail the tasks that have not started with
+                ``TaskCancelledError`` instead of running them. Running tasks finish
+                (a streaming one whose consumer stopped reading: call ``cancel()``).
+
+        Values already produced stay readable after the pool is gone.
+        """
+        with STATE:
+            self._closing = True
+            for task in list(self._tasks.values()):
+                if cancel_pending and task.wid is None:
+                    self._end(task, error_value(TaskCancelledError(
+                        f"task {task.tid} ({task.label}) was cancelled by "
+                        "shutdown(cancel_pending=True) before it started")), cancelled=True)
+                elif task.max_buffered:  # nobody may consume any more: let it run out
+                    task.max_buffered = None
+                    if task.wid is not None:
+                        self._workers[task.wid].tasks.put((W.CREDIT, task.tid, 1 << 60))
+            STATE.notify_all()
+        thread = self._thread
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _terminate(self) -> None:
+        """Note [Exit]: fails every task still owed, kills the workers, stops the collector.
+
+        A pool not shut down when the interpreter exits is terminated like
+        ``multiprocessing.Pool``'s daemonic workers are: running tasks are not waited for
+        (``with TaskPool() as pool`` waits for them). Done before the interpreter freezes
+        the collector thread, which could otherwise hold ``STATE`` for ever.
+        """
+        with STATE:
+            if self._stopped:
+                return
+            self._closing = True
+            for task in list(self._tasks.values()):
+                self._end(task, error_value(PoolClosedError(
+                    f"the interpreter exited while task {task.tid} ({task.label}) ran, and its "
+                    "TaskPool was not shut down: use `with TaskPool() as pool:` or call "
+                    "pool.shutdown() to wait for tasks")))
+            workers = list(self._workers.values())
+        for w in workers:
+            try:
+                w.process.kill()
+            except (OSError, ValueError):
+                log.debug("worker %s was already gone", w.pid)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(_STOP_WAIT_S)
+
+    def __enter__(self) -> TaskPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        state = "closing" if self._closing else "running"
+        return (f"<TaskPool {state}, {len(self._workers)} workers, "
+                f"{len(self._tasks)} tasks at {id(self):#x}>")
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' pids (a dead worker's replacement has a new one)."""
+        with STATE:
+            return [w.pid for w in self._workers.values()]
+
+    # -- workers ---------------------------------------------------------------------------
+    def _start_worker(self) -> None:
+        wid = next(self._wids)
+        tasks = Queue(max_bytes=_TASK_QUEUE_BYTES)
+        process = self._ctx.Process(
+            target=W.main, args=(wid, tasks, self._results, *self._init),
+            name=f"TaskPool-worker-{wid}", daemon=True)
+        process.start()
+        self._workers[wid] = Worker(wid, process, tasks)
+        self._idle.append(wid)
+
+    def _stop_workers(self) -> None:
+        self._stopped = True
+        workers = list(self._workers.values())
+        self._workers.clear()
+        for w in workers:
+            try:
+                w.tasks.put((W.STOP,), timeout=1.0)
+            except Exception:  # noqa: BLE001 (full or closed: it is killed below)
+                log.debug("could not ask worker %s to stop; it will be killed", w.pid)
+        deadline = time.monotonic() + _STOP_WAIT_S
+        for w in workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            if w.process.exitcode is None:
+                w.process.kill()
+                w.process.join()
+            w.process.close()
+            w.tasks.close()
+        self._results.close()
+
+    # -- reading results: Note [Who reads the result queue] ---------------------------------
+    def _collect(self) -> None:
+        last_check = 0.0
+        while True:
+            with STATE:
+                if self._closing and not self._tasks:
+                    break
+            now = time.monotonic()
+            consumer = now < self._consumer_until
+            if self._pump.acquire(timeout=0.02):
+                try:
+                    if now - last_check > 0.02:
+                        last_check = now
+                        with STATE:
+                            self._check_workers()
+                            self._dispatch()
+                            STATE.notify_all()
+                    if not consumer:
+                        self._pump_once(0.02)
+                finally:
+                    self._pump.release()
+            if consumer:
+                time.sleep(0.005)
+        with STATE:
+            self._stop_workers()
+
+    def _pump_once(self, timeout: float) -> None:
+        """Reads and handles what the workers sent (the pump lock held, STATE not)."""
+        try:
+            msgs = self._results.get_many(256, timeout=timeout)
+        except (queue.Empty, ValueError):  # nothing, or closed: the pool stopped
+            return
+        with STATE:
+            self._handle(msgs)
+            self._dispatch()
+            STATE.notify_all()
+
+    def _await(self, ready: Callable[[], Any], deadline: float | None) -> None:
+        """Returns once ``ready()`` (checked with STATE held) or ``deadline`` passed,
+        reading the result queue in this thread while it waits (called without STATE)."""
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return
+            step = 0.05 if deadline is None else min(0.05, deadline - now)
+            self._consumer_until = now + 0.01
+            if not self._stopped and self._pump.acquire(timeout=step):
+                try:
+                    with STATE:
+                        if ready():
+                            return
+                    self._pump_once(step)
+                finally:
+                    self._pump.release()
+            with STATE:
+                if ready():
+                    return
+                if self._stopped:
+                    STATE.wait(step)
