@@ -47,6 +47,7 @@ gone), so give queues to processes while their creator lives (the usual parent â
 
 from __future__ import annotations
 
+import gc
 import multiprocessing.util
 import os
 import queue
@@ -79,6 +80,9 @@ _held: weakref.WeakSet[_C.Ring] = weakref.WeakSet()
 
 
 def _let_go(ring: _C.Ring) -> None:
+    if _collecting:  # Note [Queues freed by the cycle collector]
+        _freed_while_collecting.append(ring)
+        return
     _held.discard(ring)
     if ring.detach():
         for tag, data in ring.drain():
@@ -86,6 +90,29 @@ def _let_go(ring: _C.Ring) -> None:
     # The block reference goes now, not at interpreter exit: a process SIGTERMed in between
     # (Pool.terminate() during a worker's exit) would otherwise keep the ring alive.
     ring.release()
+
+
+# Note [Queues freed by the cycle collector]
+# A queue in a reference cycle is freed by the cycle collector, which calls weakref callbacks
+# (our Finalize) before the __del__ methods of the other objects of the cycle. One of those
+# may still use the queue: DataLoader's iterator puts its workers' shutdown sentinels in
+# __del__. So a ring let go during a collection is kept until the collection ends (gc's "stop"
+# callback), when every __del__ of that collection has run.
+_collecting = False
+_freed_while_collecting: list[_C.Ring] = []
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    global _collecting
+    if phase == "start":
+        _collecting = True
+        return
+    _collecting = False
+    while _freed_while_collecting:
+        _let_go(_freed_while_collecting.pop())
+
+
+gc.callbacks.append(_on_gc)
 
 
 def _let_go_all() -> None:
