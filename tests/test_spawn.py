@@ -87,11 +87,25 @@ def test_exceptions_are_torchs_and_pickle():
             back.signal_name) == ("Oh no!", 1, 42, 42, -9, "SIGKILL")
 
 
-def test_shutdown_after_failure_logs_like_torch(caplog):
+@pytest.fixture
+def spawn_log(caplog):
+    """caplog for torch's spawn logger, which import torch sets not to propagate to the
+    root logger (torch._logging), so caplog's root handler alone would see nothing."""
+    logger = logging.getLogger("torch.multiprocessing.spawn")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="torch.multiprocessing.spawn"):
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+def test_shutdown_after_failure_logs_like_torch(spawn_log):
+    caplog = spawn_log
     context = start(w.raise_at, ({0}, 0.0))
     pid1 = context.processes[1].pid
     # Rank 1 would sleep 0.5 s: without a grace period it gets SIGTERM at once.
-    with caplog.at_level(logging.WARNING), pytest.raises(mp.ProcessRaisedException):
+    with pytest.raises(mp.ProcessRaisedException):
         join_within(context)
     assert f"Terminating process {pid1} via signal SIGTERM" in caplog.records[0].getMessage()
     assert caplog.records[0].name == "torch.multiprocessing.spawn"
@@ -223,10 +237,11 @@ def test_failed_start_stops_the_started_ones():
 # --- shutdown -----------------------------------------------------------------------------
 
 
-def test_child_ignoring_sigterm_is_killed_within_the_grace_bound(caplog):
+def test_child_ignoring_sigterm_is_killed_within_the_grace_bound(spawn_log):
+    caplog = spawn_log
     context = start(w.ignore_sigterm, nprocs=2)
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING), pytest.raises(mp.ProcessRaisedException):
+    with pytest.raises(mp.ProcessRaisedException):
         join_within(context, grace_period=0.5)
     assert time.monotonic() - t0 < 10  # 0.3 s to fail, 0.5 s grace, SIGTERM, 0.5 s, SIGKILL
     assert context.processes[1].exitcode == -signal.SIGKILL
