@@ -44,10 +44,11 @@ bool CounterFile::acquire(int64_t initial, uint64_t tag, uint32_t* slot,
   uint32_t index = free_pop(mapping_->header());
   if (index == NO_BLOCK) return false;
   BlockSlot& s = mapping_->slots()[index];
-  // Tag, holder and count first, the generation last (Note [Counter snapshots]).
-  s.tag.store(tag, std::memory_order_release);
+  // Holder and count, then the tag, the generation last (Note [Counter snapshots]): a slot
+  // shows its tag only once it is counted.
   s.holder.store(0, std::memory_order_release);
   s.refcount.store(initial, std::memory_order_release);
+  s.tag.store(tag, std::memory_order_release);
   *generation = s.generation.fetch_add(1, std::memory_order_acq_rel) + 1;
   mapping_->header()->live_blocks.fetch_add(1, std::memory_order_acq_rel);
   *slot = index;

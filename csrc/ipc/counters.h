@@ -17,13 +17,17 @@
 // by one is not a snapshot: a forwarder may tag a new slot the scan already passed and then
 // release its old slot before the scan reaches it, and the tag would look dead. So collect()
 // reads every slot twice and trusts the reading only if both passes agree on every field.
-// Within one generation each field changes at most monotonically (tag and holder are set
-// once, the count only decreases) and a new generation bumps `generation`, so two equal
-// readings mean every slot held those values at the instant between the passes: a true
-// snapshot. A tag is dead if no slot carrying it is still counted; a dead tag stays dead,
-// because only a process holding a live slot of a tag may acquire another one for it. If the
-// passes keep disagreeing (heavy churn), collect() reports `stable = false` and recycles
-// nothing; the caller tries again later.
+// Between two recycles each field changes at most once or monotonically (tag, holder and the
+// initial count are set once, then the count only decreases) and acquiring bumps
+// `generation`, so two equal readings mean every slot held those values at the instant
+// between the passes: a true snapshot. A slot being acquired gets its count before its tag
+// (the generation last): were the tag first, a snapshot taken in between would see a tagged
+// slot with a count of 0, take it for released and recycle it under its acquirer, which would
+// then share it with the next one (and a tag would be reported dead while referenced). A tag
+// is dead if no slot carrying it is still counted; a dead tag stays dead, because only a
+// process holding a live slot of a tag may acquire another one for it. If the passes keep
+// disagreeing (heavy churn), collect() reports `stable = false` and recycles nothing; the
+// caller tries again later.
 #pragma once
 
 #include <cstdint>
