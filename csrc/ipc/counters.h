@@ -8,9 +8,12 @@
 // slot (the free list is a tagged Treiber stack, safe for many poppers): the lender for each
 // send, and a receiver forwarding what it received (a new slot in the *original* lender's
 // file, with the same tag). The receiver claims the slot (records itself as holder), and
-// decrements it when its storage dies. Unlike arena blocks, a slot reaching zero is not freed
-// by whoever got it there: only the owner recycles slots, in collect(), so a slot is never
-// reused while its old count still means something (generations catch stale handles).
+// decrements it when its storage dies. The holder field is a holder-table slot (Note [Holder
+// tables]) that comes with the counter slot instead of being claimed from a free pool; only
+// the owner judges it, and reaps it in collect() by recycling the counter slot. Unlike arena
+// blocks, a slot reaching zero is not freed by whoever got it there: only the owner recycles
+// slots, in collect(), so a slot is never reused while its old count still means something
+// (generations catch stale handles).
 //
 // Note [Counter snapshots]
 // collect() answers "which tags are still referenced?" for the owner. Reading the slots one
