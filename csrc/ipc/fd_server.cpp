@@ -158,6 +158,21 @@ UniqueFd fetch_fd(const std::string& address, uint64_t segment_id, uint64_t secr
     }
     throw SyscallError(err, "connect", resource, hint);
   }
+  // Note [Who answers]: an abstract address is free for anyone once its owner exits, so the
+  // answer counts only if the listener is the owner (or its exit keeper, which inherited the
+  // owner's socket: SO_PEERCRED reports who called listen(), the owner) and runs as our uid.
+  ucred cred{};
+  socklen_t cred_len = sizeof(cred);
+  TMX_SYSCHECK(::getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len),
+               "getsockopt(SO_PEERCRED)", resource);
+  if (cred.uid != ::geteuid() || (owner_pid > 0 && cred.pid != owner_pid)) {
+    throw SyscallError(EACCES, "connect", resource,
+                       detail::str_cat("the fd server there is pid ", cred.pid, " of uid ",
+                                       cred.uid, ", not the segment's owner (pid ", owner_pid,
+                                       ", uid ", ::geteuid(),
+                                       "): another process took the address; nothing was "
+                                       "received from it"));
+  }
   Request req{segment_id, secret};
   size_t sent = 0;
   while (sent < sizeof(req)) {

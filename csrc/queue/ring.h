@@ -87,6 +87,8 @@ constexpr uint64_t MAX_RING_CAPACITY = uint64_t{1} << 31;
 /// Default busy-wait before sleeping: about the time a Python producer needs to make its next
 /// item, so a 1→1 stream rarely pays for a futex wake-up (measured in benchmarks/bench_queue.py).
 constexpr int64_t DEFAULT_SPIN_NS = 50000;
+/// Most a waiter spins before it sleeps (a larger spin_ns in a header is corruption).
+constexpr int64_t MAX_SPIN_NS = 1000000000;
 /// Processes a ring tracks by identity (Note [Ring holders]); more are counted, not judged.
 constexpr size_t MAX_RING_HOLDERS = 128;
 
@@ -241,8 +243,14 @@ class Ring {
   Status wait_on(Held& held, SharedCondition& cond, const Deadline& deadline,
                  Status on_timeout);
 
+  /// Checks the shared state (head, tail) against capacity_ under the mutex: a peer that
+  /// wrote garbage there marks the ring broken instead of steering a copy out of bounds.
+  void check_state();
+
   RingHeader* h_;
   char* data_;
+  uint64_t capacity_;  ///< validated copy of h_->capacity (Note [Geometry snapshot])
+  int64_t spin_ns_;    ///< validated copy of h_->spin_ns
 };
 
 }  // namespace torch_mp_ext
