@@ -347,6 +347,8 @@ void init_queue(py::module_& m) {
                   "Constructs a new ring in `block`; this object is its first holder.")
       .def_static("open", &RingHandle::open, py::arg("block"),
                   "Views the ring in `block`, adopting the holder its handle carried.")
+      .def_static("layout", &ring_layout,
+                  "(field, offset, size) of the ring's shared header (fuzz tests only).")
       .def_static("footprint", &Ring::footprint, py::arg("capacity"),
                   "Bytes of memory a ring of `capacity` bytes needs.")
       .def_static("frame_bytes", &Ring::frame_bytes, py::arg("payload"),

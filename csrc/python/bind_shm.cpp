@@ -1,6 +1,8 @@
 // Blocks, handles and the arena (Note [Segment layout], Note [Block lifetime]).
 #include <pybind11/stl.h>
 
+#include <cstddef>
+
 #include "python/bindings.h"
 #include "shm/arena.h"
 #include "shm/reaper.h"
@@ -53,6 +55,10 @@ void init_shm(py::module_& m) {
       .def_property_readonly("index", &BlockRef::index)
       .def_property_readonly("generation", &BlockRef::generation)
       .def_property_readonly("segment_id", [](const BlockRef& b) { return b.mapping()->id(); })
+      .def_property_readonly(
+          "segment_address",
+          [](const BlockRef& b) { return reinterpret_cast<uintptr_t>(b.mapping()->base()); },
+          "Where this process maps the block's segment header (tests write garbage there).")
       .def_property_readonly("named", [](const BlockRef& b) { return b.mapping()->named(); })
       .def_property_readonly("name",
                              [](const BlockRef& b) -> py::object {
@@ -112,6 +118,28 @@ void init_shm(py::module_& m) {
   m.def("reclaim_dead_holders", [] { return Registry::instance().reclaim_dead_holders(); },
         R"pbdoc(Drops dead processes' block references on every mapped segment; returns how
         many (Note [Dead holders]).)pbdoc");
+  m.def(
+      "segment_layout",
+      [] {
+#define TMX_SEG_FIELD(f) \
+  py::tuple(py::make_tuple(#f, offsetof(SegmentHeader, f), sizeof(SegmentHeader::f)))
+        py::list out;
+        for (const py::tuple& t : {TMX_SEG_FIELD(magic), TMX_SEG_FIELD(layout_version), TMX_SEG_FIELD(kind),
+                         TMX_SEG_FIELD(segment_id), TMX_SEG_FIELD(secret),
+                         TMX_SEG_FIELD(total_size), TMX_SEG_FIELD(block_size),
+                         TMX_SEG_FIELD(data_offset), TMX_SEG_FIELD(masks_offset),
+                         TMX_SEG_FIELD(nblocks), TMX_SEG_FIELD(owner_pid),
+                         TMX_SEG_FIELD(owner_key), TMX_SEG_FIELD(pidns), TMX_SEG_FIELD(flags),
+                         TMX_SEG_FIELD(live_blocks), TMX_SEG_FIELD(free_head),
+                         TMX_SEG_FIELD(inflight), TMX_SEG_FIELD(name), TMX_SEG_FIELD(holders)}) {
+          out.append(t);
+        }
+#undef TMX_SEG_FIELD
+        out.append(py::make_tuple("slots", slots_offset(), sizeof(BlockSlot)));
+        return out;
+      },
+      R"pbdoc((field, offset, size) of a segment's shared header; "slots" gives the slot table's
+      offset and one slot's size (fuzz tests only).)pbdoc");
   m.def("empty_cache", [] { return Arena::instance().empty_cache(); },
         R"pbdoc(Retires every owned segment with no live block; returns bytes released.)pbdoc");
   m.def("set_cache_limit", [](size_t bytes) { Arena::instance().set_cache_limit(bytes); },

@@ -4,6 +4,7 @@
 
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <new>
 
@@ -66,6 +67,18 @@ char* FrameBuffer::append(size_t n) {
   size_ += n;
   return at;
 }
+
+#define TMX_RING_FIELD(f) {#f, offsetof(RingHeader, f), sizeof(RingHeader::f)}
+std::vector<std::tuple<const char*, size_t, size_t>> ring_layout() {
+  return {TMX_RING_FIELD(magic),       TMX_RING_FIELD(version),   TMX_RING_FIELD(flags),
+          TMX_RING_FIELD(capacity),    TMX_RING_FIELD(maxsize),   TMX_RING_FIELD(data_offset),
+          TMX_RING_FIELD(spin_ns),     TMX_RING_FIELD(pidns),     TMX_RING_FIELD(inflight),
+          TMX_RING_FIELD(untracked),   TMX_RING_FIELD(recoveries), TMX_RING_FIELD(broken),
+          TMX_RING_FIELD(journal_valid), TMX_RING_FIELD(doorbell), TMX_RING_FIELD(not_empty),
+          TMX_RING_FIELD(not_full),    TMX_RING_FIELD(all_done),  TMX_RING_FIELD(mutex),
+          TMX_RING_FIELD(state),       TMX_RING_FIELD(journal),   TMX_RING_FIELD(holders)};
+}
+#undef TMX_RING_FIELD
 
 // ---- creation -----------------------------------------------------------------------------
 

@@ -69,6 +69,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "common/deadline.h"
@@ -155,6 +156,10 @@ enum class CrashPoint : int {
   GetAfterCommit = 5,      ///< committed, state not yet updated
 };
 void set_crash_point(CrashPoint point);
+
+/// (field, offset, size) of every field of the ring's shared header: for the fuzz tests that
+/// write garbage into rings (tests/test_fuzz.py), never used by the core.
+std::vector<std::tuple<const char*, size_t, size_t>> ring_layout();
 
 /// A view of a ring in mapped memory; copyable, owns nothing. Every method is thread- and
 /// process-safe; blocking methods must be called without the GIL.

@@ -284,18 +284,23 @@ std::shared_ptr<Mapping> Registry::map_handle(const Handle& handle, double timeo
 std::unique_ptr<BlockRef> Registry::attach(const Handle& handle, double timeout) {
   auto mapping = map_handle(handle, timeout);
   std::lock_guard<std::mutex> lock(mu_);
-  if (mapping->kind() != SegmentKind::Arena) {
-    throw CorruptSegmentError(detail::str_cat("shared memory segment ", mapping->describe(),
-                                              " is a counter file, not a block segment"));
-  }
-  TMX_CHECK_VALUE(handle.index < mapping->nblocks(), "block index ", handle.index,
-                  " out of range for segment ", handle.segment_id);
-  uint32_t generation = mapping->slots()[handle.index].generation.load();
-  if (generation != handle.generation) {
-    throw CorruptSegmentError(detail::str_cat(
-        "stale handle: block ", handle.index, " of segment ", handle.segment_id,
-        " was freed and reused (generation ", generation, ", handle ", handle.generation,
-        "); the reference this handle carried was dropped twice"));
+  try {
+    if (mapping->kind() != SegmentKind::Arena) {
+      throw CorruptSegmentError(detail::str_cat("shared memory segment ", mapping->describe(),
+                                                " is a counter file, not a block segment"));
+    }
+    TMX_CHECK_VALUE(handle.index < mapping->nblocks(), "block index ", handle.index,
+                    " out of range for segment ", handle.segment_id);
+    uint32_t generation = mapping->slots()[handle.index].generation.load();
+    if (generation != handle.generation) {
+      throw CorruptSegmentError(detail::str_cat(
+          "stale handle: block ", handle.index, " of segment ", handle.segment_id,
+          " was freed and reused (generation ", generation, ", handle ", handle.generation,
+          "); the reference this handle carried was dropped twice"));
+    }
+  } catch (...) {
+    maybe_unmap_locked(mapping);  // a bad handle leaves no mapping behind
+    throw;
   }
   mapping->header()->inflight.fetch_sub(1, std::memory_order_acq_rel);
   return adopt_locked(mapping, handle.index);
@@ -304,7 +309,10 @@ std::unique_ptr<BlockRef> Registry::attach(const Handle& handle, double timeout)
 void Registry::release_handle(const Handle& handle, double timeout) {
   auto mapping = map_handle(handle, timeout);
   std::lock_guard<std::mutex> lock(mu_);
-  if (handle.index >= mapping->nblocks()) return;
+  if (handle.index >= mapping->nblocks() || mapping->kind() != SegmentKind::Arena) {
+    maybe_unmap_locked(mapping);  // not a block of this segment: nothing to drop
+    return;
+  }
   mapping->header()->inflight.fetch_sub(1, std::memory_order_acq_rel);
   decref_block(*mapping, handle.index);
   maybe_unmap_locked(mapping);

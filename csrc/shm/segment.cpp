@@ -220,8 +220,8 @@ std::shared_ptr<Mapping> validate(char* base, size_t size, UniqueFd fd, std::str
 
 /// What a received fd or an opened name must be before it is mapped: a regular file (shm or
 /// memfd) of this user, of the size the handle announced (when known) and big enough for a
-/// header. A memfd must be sealed against shrinking (its creator seals it), so no peer can
-/// truncate it under our mapping (a SIGBUS at the next access).
+/// header. (A peer of the same user can still truncate a /dev/shm file under our mapping, a
+/// SIGBUS at the next access; the memfds we create are sealed against it.)
 size_t checked_fd_size(int fd, const std::string& resource, uint64_t expected_size) {
   struct stat st;
   TMX_SYSCHECK(::fstat(fd, &st), "fstat", resource);
@@ -244,14 +244,6 @@ size_t checked_fd_size(int fd, const std::string& resource, uint64_t expected_si
     throw CorruptSegmentError(detail::str_cat("shared memory segment ", resource, " is ", size,
                                               " bytes but its handle says ", expected_size));
   }
-#ifdef F_GET_SEALS
-  int seals = ::fcntl(fd, F_GET_SEALS);
-  if (seals >= 0 && (seals & F_SEAL_SHRINK) == 0) {  // a memfd (others answer EINVAL)
-    throw CorruptSegmentError("shared memory segment " + resource +
-                              " is a memfd that is not sealed against shrinking: not one of "
-                              "torch_mp_ext's");
-  }
-#endif
   return static_cast<size_t>(size);
 }
 
@@ -353,7 +345,7 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
   try {
     reserve(fd.get(), size, resource, in_dev_shm);
     if (!spec.named && g_backend.load() == AnonymousBackend::Memfd) {
-      // Receivers refuse an unsealed memfd (checked_fd_size): none can truncate it under them.
+      // Sealed: no process that receives the fd can truncate it under the others' mappings.
       TMX_SYSCHECK(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
                    "fcntl(F_ADD_SEALS)", resource);
     }
