@@ -59,8 +59,8 @@ class Worker:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   TORCH_MP_EXT_EXIT_LINGER_S="0")
+        path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+        env = dict(os.environ, PYTHONPATH=path, TORCH_MP_EXT_EXIT_LINGER_S="0")
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_fuzz_worker.py")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         assert self._read(1, 120.0) == b"R", "the fuzz worker did not start"
@@ -101,8 +101,9 @@ class Worker:
             pytest.fail(f"the fuzz worker died ({how}) on {case!r}")
 
     def _clean(self, pid: int | None) -> None:
+        prefix = "torch_fz" if pid is None else f"torch_fz{pid}_"
         for entry in os.listdir("/dev/shm"):
-            if entry.startswith("torch_fz") and (pid is None or entry.startswith(f"torch_fz{pid}_")):
+            if entry.startswith(prefix):
                 try:
                     os.unlink("/dev/shm/" + entry)
                 except FileNotFoundError:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from . import _C, _memory
+from ._timeouts import seconds
 from .queues import Queue
 
 __all__ = ["ArrayQueue"]
@@ -220,7 +221,8 @@ class ArrayQueue:
             self._items.put((item,), block, timeout)
             return
         self._check(item)
-        end = None if timeout is None or not block else time.monotonic() + max(timeout, 0.0)
+        timeout = seconds(timeout, negative_ok=True)  # Note [Timeout values]
+        end = None if timeout is None or not block else time.monotonic() + timeout
         slot = self._own_slot(item)
         if slot is not None:
             index = slot.index

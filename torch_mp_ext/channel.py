@@ -37,6 +37,7 @@ from typing import Union
 import torch
 
 from . import _C, _memory
+from ._timeouts import seconds
 from .errors import ChannelClosedError
 
 __all__ = ["StateDictChannel"]
@@ -206,6 +207,7 @@ class StateDictChannel:
             TimeoutError: nothing newer within ``timeout``.
             ChannelClosedError: the channel was closed and nothing newer is there.
         """
+        timeout = seconds(timeout)  # Note [Timeout values]
         status = self._channel.wait(newer_than, multiple_of, timeout)
         self._check(status, newer_than, timeout)
         found = self._channel.peek(newer_than, multiple_of)
@@ -244,6 +246,7 @@ class StateDictChannel:
                 version = self._channel.latest + 1
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise ValueError(f"version must be a non-negative integer, got {version!r}")
+            timeout = seconds(timeout)
             status, index, busy = self._channel.begin_write(version, timeout)
             if status != _OK:
                 self._check_write(status, version, busy, timeout)
@@ -319,6 +322,7 @@ class StateDictChannel:
                 spans.append((entry.offset, dst.data_ptr(), entry.nbytes))
             else:
                 slow.append((entry, dst))
+        timeout = seconds(timeout)
         deadline = _deadline(timeout)
         while True:
             status, index, slot, version, published_ns = self._channel.begin_read(

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from . import _exits, _forkserver
 from ._context import default_context
+from ._timeouts import seconds
 from ._worker import FAULT_SUFFIX, _wrap, read_error_file, remove_files
 from .errors import (
     ProcessException,
@@ -118,6 +119,7 @@ class ProcessContext:
         if len(self.sentinels) == 0:
             return True
         # Wait for any process to fail or all of them to succeed.
+        timeout = seconds(timeout, negative_ok=True)  # Note [Timeout values]
         ready = multiprocessing.connection.wait(self.sentinels.keys(), timeout=timeout)
         error_index = None
         for sentinel in ready:
