@@ -14,6 +14,8 @@ import os
 import queue
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -291,3 +293,57 @@ def test_bad_dtypes_raise_naming_the_argument():
 def test_bad_queue_arguments_raise(kwargs, exc):
     with pytest.raises(exc, match="maxsize|max_bytes"):
         torch_mp_ext.Queue(**kwargs)
+
+
+# ---- 5. resource exhaustion names the limit, and the process recovers ----------------------
+
+_FD_LIMIT = """
+import resource, torch, torch_mp_ext as mp
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+held = []
+try:
+    for _ in range(200):  # > SMALL_MAX: one segment, so one fd, each
+        held.append(mp.empty(300000, dtype=torch.uint8))
+    raise SystemExit("no error at 200 segments under RLIMIT_NOFILE=64")
+except OSError as exc:
+    assert isinstance(exc, mp.errors.SharedMemoryError), repr(exc)
+    assert "RLIMIT_NOFILE=64" in str(exc) and "ulimit -n" in str(exc), str(exc)
+held.clear()  # the freed segments' fds are released when the next allocation needs them
+t = mp.empty(300000, dtype=torch.uint8)
+q = mp.Queue()
+q.put(t)
+assert q.get().shape == (300000,)
+q.close()
+print("recovered")
+"""
+
+_AS_LIMIT = """
+import resource, torch, torch_mp_ext as mp
+vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), vm + (512 << 20)))
+held = []
+try:
+    for _ in range(100):
+        held.append(mp.empty(64 << 20, dtype=torch.uint8))
+    raise SystemExit("no error at 6.4 GB under RLIMIT_AS = current + 512 MiB")
+except OSError as exc:
+    assert isinstance(exc, mp.errors.SharedMemoryError), repr(exc)
+    assert "RLIMIT_AS" in str(exc), str(exc)
+held.clear()
+t = mp.empty(64 << 20, dtype=torch.uint8)
+q = mp.Queue()
+q.put(t)
+assert q.get().shape == (64 << 20,)
+q.close()
+print("recovered")
+"""
+
+
+@pytest.mark.parametrize("script", [_FD_LIMIT, _AS_LIMIT], ids=["RLIMIT_NOFILE", "RLIMIT_AS"])
+def test_resource_exhaustion_names_the_limit_and_recovers(script):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TORCH_MP_EXT_EXIT_LINGER_S="0")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "recovered" in done.stdout, done.stderr[-3000:]

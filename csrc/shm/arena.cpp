@@ -94,7 +94,10 @@ std::shared_ptr<Mapping> Arena::new_segment_locked(uint64_t block_size) {
   try {
     mapping = create_segment(spec);
   } catch (const SyscallError& e) {
-    if (e.err() != ENOSPC && e.err() != ENOMEM) throw;
+    // Out of room or out of fds: the cache of free segments holds both (one fd each).
+    if (e.err() != ENOSPC && e.err() != ENOMEM && e.err() != EMFILE && e.err() != ENFILE) {
+      throw;
+    }
     if (trim_locked(0) == 0) throw;
     mapping = create_segment(spec);  // the cache held the room we needed
   }

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -65,6 +66,16 @@ std::string no_space_hint(size_t size, bool in_dev_shm) {
   return hint;
 }
 
+/// The fix to suggest when this process is out of file descriptors.
+std::string no_fd_hint() {
+  return detail::str_cat(
+      "this process is at its open-file limit (RLIMIT_NOFILE=", fd_limit(),
+      "): each shared-memory segment it created for the file_descriptor strategy keeps one "
+      "fd. Free tensors it no longer needs (the fds of unused segments are released and this "
+      "call retried automatically), raise the limit (ulimit -n, or resource.setrlimit), or "
+      "use set_sharing_strategy('file_system')");
+}
+
 /// ftruncate + posix_fallocate: pages are reserved now, so a full /dev/shm is an error here
 /// instead of a SIGBUS at first touch (Note [Segment layout]).
 void reserve(int fd, size_t size, const std::string& resource, bool in_dev_shm) {
@@ -84,7 +95,16 @@ char* map_fd(int fd, size_t size, const std::string& resource) {
   if (p == MAP_FAILED) {
     int err = errno;
     std::string hint;
-    if (err == ENOMEM) hint = "the address space or vm.max_map_count is exhausted";
+    if (err == ENOMEM) {
+      struct rlimit as {};
+      ::getrlimit(RLIMIT_AS, &as);
+      hint = detail::str_cat(
+          "this process's address space is exhausted: its limit (RLIMIT_AS, ulimit -v) is ",
+          as.rlim_cur == RLIM_INFINITY ? std::string("unlimited") : human_bytes(as.rlim_cur),
+          ", and the kernel allows vm.max_map_count mappings per process. Free tensors it "
+          "no longer needs (unused segments are released and the call retried), send smaller "
+          "ones, or raise the limit");
+    }
     throw SyscallError(err, "mmap", resource, hint);
   }
   return static_cast<char*>(p);
@@ -312,7 +332,8 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
       }
       int err = errno;
       if ((err == EEXIST || err == EINTR) && attempt < 16) continue;
-      throw SyscallError(err, "shm_open", "/dev/shm" + name);
+      throw SyscallError(err, "shm_open", "/dev/shm" + name,
+                         err == EMFILE || err == ENFILE ? no_fd_hint() : "");
     }
     resource = "/dev/shm" + name;
   } else if (g_backend.load() == AnonymousBackend::Memfd) {
@@ -322,7 +343,11 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
       g_backend.store(AnonymousBackend::ShmUnlinked);  // seccomp or an old kernel
       return create_segment(spec);
     }
-    if (raw < 0) throw SyscallError(errno, "memfd_create", resource);
+    if (raw < 0) {
+      int err = errno;
+      throw SyscallError(err, "memfd_create", resource,
+                         err == EMFILE || err == ENFILE ? no_fd_hint() : "");
+    }
     fd.reset(raw);
     in_dev_shm = false;
   } else {
@@ -336,7 +361,8 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
       }
       int err = errno;
       if ((err == EEXIST || err == EINTR) && attempt < 16) continue;
-      throw SyscallError(err, "shm_open", "/dev/shm" + tmp);
+      throw SyscallError(err, "shm_open", "/dev/shm" + tmp,
+                         err == EMFILE || err == ENFILE ? no_fd_hint() : "");
     }
     ::shm_unlink(tmp.c_str());  // anonymous from now on: nothing can leak a name
     resource = "/dev/shm" + tmp + " (unlinked)";
