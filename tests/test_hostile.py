@@ -347,3 +347,32 @@ def test_resource_exhaustion_names_the_limit_and_recovers(script):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "recovered" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_forged_channel_layout_is_refused():
+    """read_into copies each entry's nbytes into the caller's tensor: a pickle that says more
+    bytes than the tensor has would write past it."""
+    import dataclasses
+    import pickle
+
+    from torch_mp_ext import channel as channel_mod
+
+    ch = torch_mp_ext.StateDictChannel({"w": torch.zeros(4)})
+    try:
+        func, args = ch.__reduce__()
+        entry = args[3][0]
+        for forged in (dataclasses.replace(entry, nbytes=entry.nbytes + 4096),
+                       dataclasses.replace(entry, offset=-8),
+                       dataclasses.replace(entry, offset=args[2]),
+                       dataclasses.replace(entry, shape=(2**62,))):
+            bad = (args[0], args[1], args[2], [forged], args[4])
+            with pytest.raises(CorruptSegmentError, match="forged"):
+                func(*bad)
+            _C.release_handle(args[0])  # the refused rebuild left the handle's reference
+            args = ch.__reduce__()[1]
+        good = pickle.loads(pickle.dumps(ch))
+        good.close()
+        _C.release_handle(args[0])
+        assert channel_mod._check_entries([entry], args[2]) is None
+    finally:
+        ch.close()

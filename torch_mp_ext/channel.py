@@ -38,7 +38,7 @@ import torch
 
 from . import _C, _memory
 from ._timeouts import seconds
-from .errors import ChannelClosedError
+from .errors import ChannelClosedError, CorruptSegmentError
 
 __all__ = ["StateDictChannel"]
 
@@ -407,8 +407,31 @@ def _bump_versions(tensors: list[torch.Tensor]) -> None:
                 bump(t)
 
 
+def _check_entries(entries: object, buffer_bytes: object) -> None:
+    """A pickled channel's layout must describe tensors inside one buffer: every copy in and
+    out of the channel trusts it (a forged nbytes would copy past the caller's tensor)."""
+    if not isinstance(buffer_bytes, int) or not isinstance(entries, list):
+        raise CorruptSegmentError("a pickled StateDictChannel has no valid layout")
+    for e in entries:
+        ok = (isinstance(e, _Entry) and isinstance(e.dtype, torch.dtype)
+              and isinstance(e.shape, tuple)
+              and all(isinstance(d, int) and d >= 0 for d in e.shape)
+              and isinstance(e.offset, int) and isinstance(e.nbytes, int) and e.offset >= 0)
+        if ok:
+            numel = 1
+            for d in e.shape:
+                numel *= d
+            itemsize = torch.empty((), dtype=e.dtype).element_size()
+            ok = e.nbytes == numel * itemsize and e.offset + e.nbytes <= buffer_bytes
+        if not ok:
+            raise CorruptSegmentError(
+                f"a pickled StateDictChannel describes entry {e!r}, which is not a tensor "
+                f"inside its {buffer_bytes}-byte buffers: the pickle was forged or corrupted")
+
+
 def _rebuild(handle: tuple, nbuffers: int, buffer_bytes: int, entries: list[_Entry],
              name: str) -> StateDictChannel:
+    _check_entries(entries, buffer_bytes)
     self = StateDictChannel.__new__(StateDictChannel)
     self._setup(_C.LatestChannel(_C.attach(handle), nbuffers, buffer_bytes, False), entries, name)
     return self
