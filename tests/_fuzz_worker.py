@@ -230,6 +230,47 @@ def call_queue(q: Any, op: str) -> None:
         pass
 
 
+# ---- public functions called with hostile arguments ------------------------------------------
+
+
+def _values() -> dict:
+    """The hostile values a ``call`` case picks from, by name (cases are pickled: names)."""
+    return {
+        "none": None, "true": True, "zero": 0, "one": 1, "neg": -1, "big": 2**63,
+        "huge": 2**70, "nan": float("nan"), "inf": float("inf"), "float": 1.5, "str": "3",
+        "bytes": b"\0" * 3, "list": [2, 3], "neg_list": [2, -3], "huge_list": [2**40, 2**40],
+        "wrap_list": [3, 6148914691236517206], "tuple": (4,), "empty_tuple": (),
+        "object": object(), "dtype_obj": object, "np_obj": np.dtype("O"), "np_f4": np.float32,
+        "torch_f4": torch.float32, "torch_c": torch.complex64, "tensor": torch.zeros(3),
+        "meta": torch.empty(3, device="meta"), "noncontig": torch.zeros(4, 4).t(),
+        "array": np.zeros(3), "obj_array": np.array([None, 1], dtype=object),
+        "struct": np.zeros(2, dtype=[("a", "i4"), ("b", "O")]), "dict": {"w": torch.zeros(2)},
+        "bad_dict": {"w": 3}, "module": torch.nn.Linear(2, 2), "zero_d": torch.tensor(1.0),
+    }
+
+
+VALUES = _values()
+
+CALLS = {
+    "empty": torch_mp_ext.empty, "zeros": torch_mp_ext.zeros,
+    "empty_like": torch_mp_ext.empty_like, "empty_array": torch_mp_ext.empty_array,
+    "zeros_array": torch_mp_ext.zeros_array, "share_": torch_mp_ext.share_,
+    "is_shared": torch_mp_ext.is_shared, "Queue": torch_mp_ext.Queue,
+    "JoinableQueue": torch_mp_ext.JoinableQueue, "ArrayQueue": torch_mp_ext.ArrayQueue,
+    "StateDictChannel": torch_mp_ext.StateDictChannel,
+}
+
+
+def run_call(case: dict) -> None:
+    func = CALLS[case["func"]]
+    args = [VALUES[name] for name in case["args"]]
+    kwargs = {key: VALUES[name] for key, name in case["kwargs"].items()}
+    result = func(*args, **kwargs)
+    close = getattr(result, "close", None)
+    if callable(close):
+        close()
+
+
 # ---- the loop -------------------------------------------------------------------------------
 
 HANDLED = (ValueError, TypeError, RuntimeError, OSError, OverflowError, EOFError,
@@ -243,6 +284,7 @@ def main() -> None:
     stdout.flush()
     runners = {"segment": lambda c: run_segment(template, c), "owned": run_owned,
                "handle": lambda c: run_segment(template, c), "ring": run_ring,
+               "call": run_call,
                "crash": lambda c: os.kill(os.getpid(), c["signal"]),  # the harness's own test
                "hang": lambda c: signal.pause()}
     cases = 0

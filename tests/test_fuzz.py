@@ -221,6 +221,23 @@ RING_CASES = st.fixed_dictionaries({
 })
 
 
+VALUE_NAMES = st.sampled_from([
+    "none", "true", "zero", "one", "neg", "big", "huge", "nan", "inf", "float", "str", "bytes",
+    "list", "neg_list", "huge_list", "wrap_list", "tuple", "empty_tuple", "object", "dtype_obj",
+    "np_obj", "np_f4", "torch_f4", "torch_c", "tensor", "meta", "noncontig", "array",
+    "obj_array", "struct", "dict", "bad_dict", "module", "zero_d"])
+CALL_CASES = st.fixed_dictionaries({
+    "kind": st.just("call"),
+    "func": st.sampled_from(["empty", "zeros", "empty_like", "empty_array", "zeros_array",
+                             "share_", "is_shared", "Queue", "JoinableQueue", "ArrayQueue",
+                             "StateDictChannel"]),
+    "args": st.lists(VALUE_NAMES, max_size=3),
+    "kwargs": st.dictionaries(st.sampled_from(["dtype", "maxsize", "max_bytes", "buffers",
+                                               "requires_grad", "shape"]),
+                              VALUE_NAMES, max_size=2),
+})
+
+
 # ---- the tests ----------------------------------------------------------------------------
 
 
@@ -257,3 +274,9 @@ def test_harness_reports_a_crash_and_a_hang(worker: Worker, monkeypatch: Any) ->
         worker.run({"kind": "hang"})
     assert worker.run({"kind": "handle", "writes": [], "api": "release",
                        "handle": {4: 5}})[0] in ("ok", "raised")
+
+
+@FUZZ
+@given(case=CALL_CASES)
+def test_fuzz_public_arguments(worker: Worker, case: dict) -> None:
+    check(worker, case)

@@ -376,3 +376,13 @@ def test_a_forged_channel_layout_is_refused():
         assert channel_mod._check_entries([entry], args[2]) is None
     finally:
         ch.close()
+
+
+@pytest.mark.parametrize(("handle", "name"), [
+    ((True, "x", 0, 0, 0, 0, 0, ""), "segment_id"), ((True, 1, 0, 0, -1, 0, 0, ""), "index"),
+    ((True, 1, 0, 2**64, 0, 0, 0, ""), "size"), ((True, 1, 0, 0, 0, 0, 2**31, ""), "owner_pid"),
+    ((True, 1, 0, 0, 0, 0, 0, None), "location"),
+])
+def test_a_handle_field_of_the_wrong_type_is_a_type_error_naming_it(handle, name):
+    with pytest.raises(TypeError, match=f"field '{name}'"):
+        _C.attach(handle)

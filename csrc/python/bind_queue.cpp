@@ -9,6 +9,7 @@
 // every wait slice (or EINTR) to run Python's signal handlers, so Ctrl-C interrupts a get().
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 #include <vector>
@@ -265,8 +266,12 @@ class RingHandle {
     }
     // Dead holders could not drop their references to the ring's block: drop them here.
     // Ours keeps the block alive meanwhile.
+    // The table is shared memory: a peer could write any count there, so never drop more
+    // references than the block has besides ours.
     auto& ref = block_.cast<BlockRef&>();
-    for (uint32_t i = 0; i < reaped; ++i) decref_block(*ref.mapping(), ref.index());
+    int64_t others = ref.mapping()->slots()[ref.index()].refcount.load() - 1;
+    int64_t drop = std::clamp<int64_t>(others, 0, reaped);
+    for (int64_t i = 0; i < drop; ++i) decref_block(*ref.mapping(), ref.index());
     return last;
   }
 

@@ -26,16 +26,31 @@ Handle from_tuple(const py::tuple& t) {
     throw py::value_error("a torch_mp_ext block handle is an 8-tuple, got " +
                           std::to_string(t.size()) + " items");
   }
-  Handle h;
-  h.named = t[0].cast<bool>();
-  h.segment_id = t[1].cast<uint64_t>();
-  h.secret = t[2].cast<uint64_t>();
-  h.size = t[3].cast<uint64_t>();
-  h.index = t[4].cast<uint32_t>();
-  h.generation = t[5].cast<uint32_t>();
-  h.owner_pid = t[6].cast<int32_t>();
-  h.location = t[7].cast<std::string>();
-  return h;
+  // A handle arrives in a pickle, from any peer: a field of the wrong type or range is a
+  // TypeError naming it (pybind11's own cast error names neither).
+  static const char* const names[] = {"named", "segment_id", "secret", "size",
+                                      "index", "generation", "owner_pid", "location"};
+  static const char* const kinds[] = {"a bool", "an unsigned 64-bit integer",
+                                      "an unsigned 64-bit integer", "an unsigned 64-bit integer",
+                                      "an unsigned 32-bit integer", "an unsigned 32-bit integer",
+                                      "a 32-bit integer", "a str"};
+  size_t at = 0;
+  try {
+    Handle h;
+    h.named = t[at].cast<bool>();
+    h.segment_id = t[++at].cast<uint64_t>();
+    h.secret = t[++at].cast<uint64_t>();
+    h.size = t[++at].cast<uint64_t>();
+    h.index = t[++at].cast<uint32_t>();
+    h.generation = t[++at].cast<uint32_t>();
+    h.owner_pid = t[++at].cast<int32_t>();
+    h.location = t[++at].cast<std::string>();
+    return h;
+  } catch (const py::cast_error&) {
+    throw py::type_error(std::string("a torch_mp_ext block handle's field '") + names[at] +
+                         "' must be " + kinds[at] + ", got " +
+                         std::string(py::repr(t[at]).cast<std::string>()).substr(0, 80));
+  }
 }
 
 }  // namespace
