@@ -91,6 +91,7 @@ class Worker:
             return pickle.loads(self._read(size, CASE_TIMEOUT_S))
         except TimeoutError:
             pid = self.proc.pid
+            self.proc.kill()  # a hung worker does not read its stdin's EOF
             self.stop()
             pytest.fail(f"the fuzz worker (pid {pid}) hung for {CASE_TIMEOUT_S} s on {case!r}")
         except EOFError:
