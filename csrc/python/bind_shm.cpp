@@ -157,8 +157,6 @@ void init_shm(py::module_& m) {
       offset and one slot's size (fuzz tests only).)pbdoc");
   m.def("empty_cache", [] { return Arena::instance().empty_cache(); },
         R"pbdoc(Retires every owned segment with no live block; returns bytes released.)pbdoc");
-  m.def("set_cache_limit", [](size_t bytes) { Arena::instance().set_cache_limit(bytes); },
-        py::arg("nbytes"));
   m.def("class_size", &Arena::class_size, py::arg("nbytes"));
   m.def("arena_stats", [] {
     ArenaStats a = Arena::instance().stats();

@@ -113,7 +113,11 @@ Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
   h->pidns = pid_namespace_id();
   h->inflight.store(0, std::memory_order_relaxed);
   h->untracked.store(0, std::memory_order_relaxed);
-  for (RingHolder& holder : h->holders) holder = RingHolder{0, 0, 0};
+  for (RingHolder& holder : h->holders) {
+    holder.key.clear();
+    holder.refs = 0;
+    holder.reserved = 0;
+  }
   h->recoveries.store(0, std::memory_order_relaxed);
   h->broken.store(0, std::memory_order_relaxed);
   h->journal_valid.store(0, std::memory_order_relaxed);

@@ -56,10 +56,13 @@
 // they held is handed back to the caller, which drops the block references they could not
 // drop themselves (a SIGKILLed or SIGTERMed worker: Pool.terminate(), a DataLoader worker
 // killed on timeout). The caller that finds no live holder left, nothing in flight, is the
-// last one: it drains the ring (Note [Queue lifetime] in queues.py). Table updates are made
-// under the mutex; a slot is published by its key, written last, so a death mid-update
-// leaves either a free slot or a holder that the next reaper judges. Holders in another pid
-// namespace are never judged dead; beyond the table's 128 processes they are only counted.
+// last one: it drains the ring (Note [Queue lifetime] in queues.py). The table is a holder
+// table (Note [Holder tables]) whose slots carry `refs`; it is only changed under the mutex.
+// A slot's refs are written before its key is claimed and zeroed before it is released or
+// reaped, so a death mid-update leaves either a free slot or a holder that the next reaper
+// judges (a reaper that dies after taking the refs leaks them: never frees twice). Holders
+// in another pid namespace than the ring's creator are never judged dead; beyond the table's
+// 128 processes they are only counted (`untracked`).
 // A holder in flight is never judged either: a pickle may be opened long after its sender
 // exited (a queue sent through a queue). So a pickle that is never opened (its receiver was
 // killed before unpickling it) keeps the ring until the segment's owner exits.
@@ -79,7 +82,8 @@
 namespace torch_mp_ext {
 
 constexpr uint64_t RING_MAGIC = 0x31474e4952584d54ULL;  // "TMXRING1" little-endian
-constexpr uint32_t RING_VERSION = 1;
+/// 2: holder keys carry the flags of Note [Holder tables].
+constexpr uint32_t RING_VERSION = 2;
 constexpr uint32_t RING_JOINABLE = 1u << 0;
 /// Frame header bytes: uint32 payload size + uint32 tag.
 constexpr uint64_t FRAME_HEADER = 8;
