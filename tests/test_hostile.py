@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import math
 import os
+import pathlib
 import queue
 import socket
 import struct
@@ -386,3 +387,59 @@ def test_a_forged_channel_layout_is_refused():
 def test_a_handle_field_of_the_wrong_type_is_a_type_error_naming_it(handle, name):
     with pytest.raises(TypeError, match=f"field '{name}'"):
         _C.attach(handle)
+
+
+# ---- 6. a stopped peer holding the ring's lock does not freeze the interpreter -------------
+
+
+def _lock_ring_and_stop(q, ready) -> None:
+    import ctypes
+    import signal
+
+    address = q._ring.block.address + RING_FIELDS["mutex"][0]
+    assert ctypes.CDLL(None).pthread_mutex_lock(ctypes.c_void_p(address)) == 0
+    ready.set()
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_stopped_peer_holding_the_lock_does_not_freeze_the_interpreter():
+    import multiprocessing
+    import signal
+
+    q = torch_mp_ext.Queue()
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    peer = ctx.Process(target=_lock_ring_and_stop, args=(q, ready))
+    peer.start()
+    try:
+        assert ready.wait(30)
+        stat = f"/proc/{peer.pid}/stat"
+        while pathlib.Path(stat).read_text().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)
+        ticks = []
+        stop = threading.Event()
+        ticker = threading.Thread(target=lambda: [ticks.append(1) or time.sleep(0.01)
+                                                  for _ in iter(stop.is_set, True)])
+        ticker.start()
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt  # what Ctrl-C does
+
+        old = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            for read in (q.qsize, lambda: q._ring.holders, q._ring.holder_table):
+                before = len(ticks)
+                signal.setitimer(signal.ITIMER_REAL, 0.6)
+                with pytest.raises(KeyboardInterrupt):
+                    read()
+                assert len(ticks) > before + 5, "the GIL was held while waiting for the lock"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            stop.set()
+            ticker.join(10)
+    finally:
+        peer.kill()
+        peer.join(30)
+    assert q.qsize() == 0  # the dead owner's lock is repaired
+    q.close()

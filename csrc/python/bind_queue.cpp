@@ -284,9 +284,18 @@ class RingHandle {
 
   Ring::Counts counts() {
     Use use(*this);
-    py::gil_scoped_release nogil;
-    return ring_.counts();
+    return *locked_read([&](const Deadline& d) { return ring_.counts(d); });
   }
+
+  /// Runs a read of the ring under its mutex without the GIL, a slice at a time, running
+  /// signal handlers between slices: a peer stopped (SIGSTOP) while holding the mutex keeps
+  /// this call waiting, but never freezes the interpreter or deafens it to Ctrl-C.
+  template <typename Read>
+  static auto locked_read(Read&& read) -> decltype(read(std::declval<const Deadline&>())) {
+    return wait_without_gil([&] { return read(Deadline(LOCKED_READ_SLICE_S)); },
+                            [](const auto& answer) { return !answer.has_value(); });
+  }
+  static constexpr double LOCKED_READ_SLICE_S = 0.2;
 
   bool closed() const { return closed_.load(std::memory_order_acquire); }
   const py::object& block() const { return block_; }
@@ -392,12 +401,18 @@ void init_queue(py::module_& m) {
       .def_property_readonly("joinable", [](RingHandle& r) { return r.ring().joinable(); })
       .def_property_readonly("recoveries", [](RingHandle& r) { return r.ring().recoveries(); })
       .def_property_readonly("broken", [](RingHandle& r) { return r.ring().broken(); })
-      .def_property_readonly("holders", [](RingHandle& r) { return r.ring().holders(); })
+      .def_property_readonly("holders",
+                             [](RingHandle& r) {
+                               return *RingHandle::locked_read(
+                                   [&](const Deadline& d) { return r.ring().holders(d); });
+                             })
       .def(
           "holder_table",
           [](RingHandle& r) {
             py::list out;
-            for (const auto& h : r.ring().holder_table()) {
+            auto table = *RingHandle::locked_read(
+                [&](const Deadline& d) { return r.ring().holder_table(d); });
+            for (const auto& h : table) {
               out.append(py::make_tuple(h.pid, h.refs, h.alive));
             }
             return out;

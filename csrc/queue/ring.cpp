@@ -391,8 +391,8 @@ void Ring::wake_all() {
   h_->all_done.notify_all();
 }
 
-Ring::Counts Ring::counts() {
-  lock(Deadline(-1), false);
+std::optional<Ring::Counts> Ring::counts(const Deadline& deadline) {
+  if (lock(deadline, false) != Lock::Ok) return std::nullopt;
   Held held{this};
   return Counts{h_->state.count, h_->state.tail - h_->state.head, h_->state.unfinished};
 }

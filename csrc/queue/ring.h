@@ -72,6 +72,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -204,7 +205,9 @@ class Ring {
     uint64_t used_bytes;
     uint64_t unfinished;
   };
-  Counts counts();
+  /// Read together under the mutex; nullopt if it could not be taken by `deadline` (the
+  /// caller retries after running signal handlers: a stopped peer must not freeze it).
+  std::optional<Counts> counts(const Deadline& deadline);
 
   /// The doorbell flag of Note [SimpleQueue internals that the standard library uses] in
   /// _queue_compat.py: true if the caller must ring (the flag was clear; it is set now).
@@ -221,14 +224,14 @@ class Ring {
   void share_holder();
   void adopt_shared_holder();
   /// Holders of every process, dead or alive, plus those in flight.
-  int64_t holders();
+  std::optional<int64_t> holders(const Deadline& deadline);
   struct HolderInfo {
     int64_t pid;
     uint32_t refs;
     bool alive;
   };
   /// The processes in the holder table (diagnostics and tests).
-  std::vector<HolderInfo> holder_table();
+  std::optional<std::vector<HolderInfo>> holder_table(const Deadline& deadline);
 
   uint64_t capacity() const;
   uint64_t maxsize() const;
