@@ -443,3 +443,22 @@ def test_a_stopped_peer_holding_the_lock_does_not_freeze_the_interpreter():
         peer.join(30)
     assert q.qsize() == 0  # the dead owner's lock is repaired
     q.close()
+
+
+def test_a_forged_array_queue_layout_is_refused():
+    """An ArrayQueue's arrays view nbytes at each block's address: a pickle that says more
+    bytes than a block has would read and write past it."""
+    from torch_mp_ext import array_queue
+
+    aq = torch_mp_ext.ArrayQueue(np.zeros(4), maxsize=2)
+    func, args = aq.__reduce__()
+    meta = list(args[0])
+    meta[4] = 1 << 20  # nbytes beyond the blocks
+    meta[0] = (1 << 17,)
+    with pytest.raises(CorruptSegmentError, match="forged"):
+        func(tuple(meta), *args[1:])
+    good = func(*aq.__reduce__()[1])
+    assert good._shape == (4,)
+    with pytest.raises(ValueError, match="maxsize"):
+        torch_mp_ext.ArrayQueue(np.zeros(4), maxsize=array_queue.MAX_ARRAYS + 1)
+    del good, aq
