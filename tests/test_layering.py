@@ -18,7 +18,7 @@ PKG = Path(__file__).resolve().parent.parent / "torch_mp_ext"
 
 # docs/architecture.md, "Which may import which": lower layers first.
 LAYERS = [
-    {"_C", "_version", "errors"},
+    {"_C", "_version", "errors", "timeouts"},
     {"sharing", "cuda"},
     {"reductions"},
     {"queues"},

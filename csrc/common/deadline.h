@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include <cstdint>
+#include <stdexcept>
 
 namespace torch_mp_ext {
 
@@ -21,8 +22,10 @@ inline int64_t monotonic_ns() noexcept {
 
 class Deadline {
  public:
-  /// `seconds` < 0 means no deadline (wait forever).
+  /// `seconds` < 0 means no deadline (wait forever); so does +inf (clamped like any huge
+  /// value). NaN throws std::invalid_argument (Python: ValueError): casting it is undefined.
   explicit Deadline(double seconds) : infinite_(seconds < 0) {
+    if (seconds != seconds) throw std::invalid_argument("'timeout' must be a number, got nan");
     if (!infinite_) {
       if (seconds > 1e9) seconds = 1e9;  // 31 years: far enough, and no int64 overflow
       at_ns_ = monotonic_ns() + static_cast<int64_t>(seconds * 1e9);

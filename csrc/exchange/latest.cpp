@@ -48,16 +48,28 @@ void prefault(char* begin, uint64_t n) {
 }  // namespace
 
 uint64_t LatestChannel::required_bytes(uint32_t nbuffers, uint64_t buffer_bytes) {
+  TMX_CHECK_VALUE(buffer_bytes <= LATEST_MAX_BUFFER_BYTES, "a latest-value channel buffer of ",
+                  buffer_bytes, " bytes is larger than the ", LATEST_MAX_BUFFER_BYTES,
+                  " bytes supported");
+  TMX_CHECK_VALUE(nbuffers <= LATEST_MAX_BUFFERS, "a latest-value channel has at most ",
+                  LATEST_MAX_BUFFERS, " buffers, got ", nbuffers);
+  // Both bounds keep this sum far below 2^64: no wrap-around.
   return round_up(sizeof(LatestHeader), PAGE) + nbuffers * round_up(buffer_bytes, PAGE);
 }
 
 LatestChannel::LatestChannel(char* base, uint64_t capacity, uint32_t nbuffers,
                              uint64_t buffer_bytes, bool create)
-    : header_(reinterpret_cast<LatestHeader*>(base)), base_(base) {
+    : header_(reinterpret_cast<LatestHeader*>(base)),
+      base_(base),
+      nbuffers_(nbuffers),
+      buffer_bytes_(buffer_bytes),
+      buffer_stride_(0),
+      data_offset_(round_up(sizeof(LatestHeader), PAGE)) {
   TMX_CHECK_VALUE(nbuffers >= 2 && nbuffers <= LATEST_MAX_BUFFERS,
                   "a latest-value channel needs 2 to ", LATEST_MAX_BUFFERS,
                   " buffers, got ", nbuffers);
   uint64_t need = required_bytes(nbuffers, buffer_bytes);
+  buffer_stride_ = round_up(buffer_bytes, PAGE);
   if (create) {
     TMX_CHECK_VALUE(capacity >= need, "a channel of ", nbuffers, " buffers of ", buffer_bytes,
                     " bytes needs ", need, " bytes of shared memory, the block has ", capacity);
@@ -75,7 +87,12 @@ LatestChannel::LatestChannel(char* base, uint64_t capacity, uint32_t nbuffers,
     prefault(base + header_->data_offset, need - header_->data_offset);
     return;
   }
-  if (capacity < sizeof(LatestHeader) || header_->magic != LATEST_MAGIC) {
+  if (capacity < need) {
+    throw CorruptSegmentError(detail::str_cat(
+        "a latest-value channel of ", nbuffers, " buffers of ", buffer_bytes, " bytes needs ",
+        need, " bytes, but the block its handle names has ", capacity));
+  }
+  if (header_->magic != LATEST_MAGIC) {
     throw CorruptSegmentError("shared memory handed over as a latest-value channel is not one "
                               "(bad magic); was the handle pickled by another program?");
   }
@@ -84,25 +101,38 @@ LatestChannel::LatestChannel(char* base, uint64_t capacity, uint32_t nbuffers,
         "latest-value channel of layout version ", header_->layout_version, ", this build reads ",
         LATEST_LAYOUT_VERSION, ": every process of a job must use one torch_mp_ext build"));
   }
-  if (header_->nbuffers != nbuffers || header_->buffer_bytes != buffer_bytes ||
-      header_->total_bytes > capacity) {
+  // Note [Geometry snapshot] (shm/segment.h): the geometry is the handle's, checked once
+  // against the header; the members are used from here on, never the shared fields.
+  if (header_->nbuffers != nbuffers || header_->buffer_bytes != buffer_bytes) {
     throw CorruptSegmentError(detail::str_cat(
         "latest-value channel holds ", header_->nbuffers, " buffers of ", header_->buffer_bytes,
         " bytes, its handle said ", nbuffers, " of ", buffer_bytes));
   }
-  prefault(base + header_->data_offset, header_->total_bytes - header_->data_offset);
+  auto corrupt = [](const char* field, uint64_t value, uint64_t expected) {
+    return CorruptSegmentError(detail::str_cat(
+        "latest-value channel is corrupt: header field '", field, "' is ", value, ", expected ",
+        expected, "; a process wrote garbage into its shared memory"));
+  };
+  if (header_->buffer_stride != buffer_stride_) {
+    throw corrupt("buffer_stride", header_->buffer_stride, buffer_stride_);
+  }
+  if (header_->data_offset != data_offset_) {
+    throw corrupt("data_offset", header_->data_offset, data_offset_);
+  }
+  if (header_->total_bytes != need) throw corrupt("total_bytes", header_->total_bytes, need);
+  prefault(base + data_offset_, need - data_offset_);
 }
 
 uint64_t LatestChannel::buffer_offset(uint32_t index) const {
-  TMX_CHECK_VALUE(index < header_->nbuffers, "buffer index ", index, " out of range [0, ",
-                  header_->nbuffers, ")");
-  return header_->data_offset + index * header_->buffer_stride;
+  TMX_CHECK_VALUE(index < nbuffers_, "buffer index ", index, " out of range [0, ",
+                  nbuffers_, ")");
+  return data_offset_ + index * buffer_stride_;
 }
 
 int LatestChannel::select(int64_t newer_than, uint64_t multiple_of, uint64_t* stamp) const {
   int best = -1;
   uint64_t best_stamp = 0;
-  for (uint32_t i = 0; i < header_->nbuffers; ++i) {
+  for (uint32_t i = 0; i < nbuffers_; ++i) {
     uint64_t s = header_->buffers[i].stamp.load(std::memory_order_acquire);
     if (!complete(s)) continue;
     uint64_t version = s - 1;
@@ -162,7 +192,7 @@ LatestStatus LatestChannel::begin_write(uint64_t version, const Deadline& deadli
     header_->writer.release(me);
     return LatestStatus::Stale;
   }
-  const uint32_t n = header_->nbuffers;
+  const uint32_t n = nbuffers_;
   for (int attempt = 0;; ++attempt) {
     // Candidates: every buffer but the newest complete one; empty or abandoned ones first,
     // then the oldest versions (the ones readers are least likely to want).
@@ -193,7 +223,7 @@ LatestStatus LatestChannel::begin_write(uint64_t version, const Deadline& deadli
 }
 
 void LatestChannel::commit(uint32_t index, uint64_t version) {
-  TMX_CHECK(index < header_->nbuffers, "commit of buffer ", index);
+  TMX_CHECK(index < nbuffers_, "commit of buffer ", index);
   LatestBufferState& b = header_->buffers[index];
   TMX_CHECK(b.stamp.load() & STAMP_WRITING, "commit of buffer ", index, " not claimed");
   b.published_ns.store(static_cast<uint64_t>(monotonic_ns()), std::memory_order_relaxed);
@@ -204,19 +234,20 @@ void LatestChannel::commit(uint32_t index, uint64_t version) {
 }
 
 void LatestChannel::abort(uint32_t index) {
-  if (index < header_->nbuffers) header_->buffers[index].stamp.store(0);
+  if (index < nbuffers_) header_->buffers[index].stamp.store(0);
   header_->writer.release(holder_word_of_self(header_->pidns));
 }
 
 void LatestChannel::copy_in(uint32_t index, const std::vector<CopySpan>& spans) {
-  TMX_CHECK_VALUE(index < header_->nbuffers &&
+  TMX_CHECK_VALUE(index < nbuffers_ &&
                       (header_->buffers[index].stamp.load() & STAMP_WRITING) &&
                       header_->writer.word() == holder_word_of_self(header_->pidns),
                   "copy_in: buffer ", index, " is not claimed by this process (begin_write)");
   char* dst = base_ + buffer_offset(index);
   for (const CopySpan& s : spans) {
-    TMX_CHECK_VALUE(s.offset + s.nbytes <= header_->buffer_bytes, "copy_in: span [", s.offset,
-                    ", +", s.nbytes, ") outside the ", header_->buffer_bytes, "-byte buffer");
+    TMX_CHECK_VALUE(s.nbytes <= buffer_bytes_ && s.offset <= buffer_bytes_ - s.nbytes,
+                    "copy_in: span [", s.offset, ", +", s.nbytes, ") outside the ",
+                    buffer_bytes_, "-byte buffer");
     std::memcpy(dst + s.offset, reinterpret_cast<const void*>(s.address), s.nbytes);
   }
 }
@@ -280,7 +311,7 @@ LatestStatus LatestChannel::begin_read(int64_t newer_than, uint64_t multiple_of,
 }
 
 bool LatestChannel::end_read(const ReadTicket& t) {
-  TMX_CHECK(t.index < header_->nbuffers && t.slot < LATEST_READER_SLOTS, "bad read ticket");
+  TMX_CHECK(t.index < nbuffers_ && t.slot < LATEST_READER_SLOTS, "bad read ticket");
   std::atomic_thread_fence(std::memory_order_acquire);
   bool intact =
       header_->buffers[t.index].stamp.load(std::memory_order_relaxed) == t.version + 1;
@@ -291,8 +322,9 @@ bool LatestChannel::end_read(const ReadTicket& t) {
 void LatestChannel::copy_out(uint32_t index, const std::vector<CopySpan>& spans) const {
   const char* src = base_ + buffer_offset(index);
   for (const CopySpan& s : spans) {
-    TMX_CHECK_VALUE(s.offset + s.nbytes <= header_->buffer_bytes, "copy_out: span [", s.offset,
-                    ", +", s.nbytes, ") outside the ", header_->buffer_bytes, "-byte buffer");
+    TMX_CHECK_VALUE(s.nbytes <= buffer_bytes_ && s.offset <= buffer_bytes_ - s.nbytes,
+                    "copy_out: span [", s.offset, ", +", s.nbytes, ") outside the ",
+                    buffer_bytes_, "-byte buffer");
     std::memcpy(reinterpret_cast<void*>(s.address), src + s.offset, s.nbytes);
   }
 }

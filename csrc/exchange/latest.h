@@ -74,6 +74,8 @@ constexpr uint32_t LATEST_READER_SLOTS = 128;
 constexpr uint64_t STAMP_WRITING = uint64_t{1} << 63;
 /// Versions are 0 .. LATEST_MAX_VERSION (stamps store version + 1 beside the WRITING bit).
 constexpr uint64_t LATEST_MAX_VERSION = (uint64_t{1} << 62) - 1;
+/// Largest buffer (2^48 bytes: 256 TiB): keeps every size sum of a channel far from 2^64.
+constexpr uint64_t LATEST_MAX_BUFFER_BYTES = uint64_t{1} << 48;
 
 struct alignas(64) LatestBufferState {
   std::atomic<uint64_t> stamp;         ///< 0 | version + 1, possibly | STAMP_WRITING
@@ -178,8 +180,8 @@ class LatestChannel {
   void copy_out(uint32_t index, const std::vector<CopySpan>& spans) const;
 
   uint64_t buffer_offset(uint32_t index) const;
-  uint32_t nbuffers() const { return header_->nbuffers; }
-  uint64_t buffer_bytes() const { return header_->buffer_bytes; }
+  uint32_t nbuffers() const { return nbuffers_; }
+  uint64_t buffer_bytes() const { return buffer_bytes_; }
   const LatestHeader& header() const { return *header_; }
 
  private:
@@ -192,6 +194,11 @@ class LatestChannel {
 
   LatestHeader* header_;
   char* base_;
+  // The validated geometry (Note [Geometry snapshot] in shm/segment.h): never re-read.
+  uint32_t nbuffers_;
+  uint64_t buffer_bytes_;
+  uint64_t buffer_stride_;
+  uint64_t data_offset_;
 };
 
 }  // namespace torch_mp_ext

@@ -27,7 +27,7 @@ std::shared_ptr<CounterFile> CounterFile::create(uint32_t nslots) {
 
 std::shared_ptr<CounterFile> CounterFile::open(const std::string& name, uint64_t segment_id) {
   auto mapping = open_named_segment(name, segment_id);
-  if (mapping->header()->kind != static_cast<uint32_t>(SegmentKind::Counters)) {
+  if (mapping->kind() != SegmentKind::Counters) {
     throw CorruptSegmentError("shared memory segment /dev/shm" + name +
                               " is not a counter file");
   }
@@ -41,7 +41,7 @@ void CounterFile::check_slot(uint32_t slot) const {
 
 bool CounterFile::acquire(int64_t initial, uint64_t tag, uint32_t* slot,
                           uint32_t* generation) {
-  uint32_t index = free_pop(mapping_->header());
+  uint32_t index = mapping_->pop_free();
   if (index == NO_BLOCK) return false;
   BlockSlot& s = mapping_->slots()[index];
   // Holder and count, then the tag, the generation last (Note [Counter snapshots]): a slot

@@ -126,8 +126,9 @@ void FdServer::answer(int conn) {
   }
   UniqueFd fd;
   if (status == 0) {
+    errno = 0;  // dup_fd_for sets it only when the dup itself fails
     fd.reset(Registry::instance().dup_fd_for(req.segment_id, req.secret));
-    if (!fd.valid()) status = ENOENT;
+    if (!fd.valid()) status = (errno == EMFILE || errno == ENFILE) ? errno : ENOENT;
   }
   int raw = fd.get();
   send_fds(conn, &status, sizeof(status), fd.valid() ? &raw : nullptr, fd.valid() ? 1 : 0);
@@ -138,8 +139,18 @@ UniqueFd fetch_fd(const std::string& address, uint64_t segment_id, uint64_t secr
   std::string resource = detail::str_cat("shared memory segment ", segment_id,
                                          " of process ", owner_pid, " (fd server ", address,
                                          ")");
-  UniqueFd sock(TMX_SYSCHECK(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), "socket",
-                             resource));
+  int raw_sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (raw_sock < 0) {
+    int err = errno;
+    throw SyscallError(err, "socket", resource,
+                       err == EMFILE || err == ENFILE
+                           ? detail::str_cat("this process is at its open-file limit "
+                                             "(RLIMIT_NOFILE=", fd_limit(), ") and cannot "
+                                             "receive the segment: free tensors or raise the "
+                                             "limit (ulimit -n)")
+                           : "");
+  }
+  UniqueFd sock(raw_sock);
   set_io_timeout(sock.get(), timeout);
   sockaddr_un addr;
   socklen_t len = make_address(address, &addr);
@@ -157,6 +168,21 @@ UniqueFd fetch_fd(const std::string& address, uint64_t segment_id, uint64_t secr
           "set_sharing_strategy('file_system')");
     }
     throw SyscallError(err, "connect", resource, hint);
+  }
+  // Note [Who answers]: an abstract address is free for anyone once its owner exits, so the
+  // answer counts only if the listener is the owner (or its exit keeper, which inherited the
+  // owner's socket: SO_PEERCRED reports who called listen(), the owner) and runs as our uid.
+  ucred cred{};
+  socklen_t cred_len = sizeof(cred);
+  TMX_SYSCHECK(::getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len),
+               "getsockopt(SO_PEERCRED)", resource);
+  if (cred.uid != ::geteuid() || (owner_pid > 0 && cred.pid != owner_pid)) {
+    throw SyscallError(EACCES, "connect", resource,
+                       detail::str_cat("the fd server there is pid ", cred.pid, " of uid ",
+                                       cred.uid, ", not the segment's owner (pid ", owner_pid,
+                                       ", uid ", ::geteuid(),
+                                       "): another process took the address; nothing was "
+                                       "received from it"));
   }
   Request req{segment_id, secret};
   size_t sent = 0;
@@ -182,9 +208,14 @@ UniqueFd fetch_fd(const std::string& address, uint64_t segment_id, uint64_t secr
   }
   if (n != sizeof(status) || status != 0 || fds.size() != 1) {
     int err = (n == sizeof(status) && status > 0) ? status : EPROTO;
-    throw SyscallError(err, "fetch_fd", resource,
-                       err == ENOENT ? "the owner no longer has this segment (it was freed)"
-                                     : "the owner refused or answered malformed data");
+    std::string hint = "the owner refused or answered malformed data";
+    if (err == ENOENT) hint = "the owner no longer has this segment (it was freed)";
+    if (err == EMFILE || err == ENFILE) {
+      hint = detail::str_cat("the sending process (pid ", owner_pid, ") is at its open-file "
+                             "limit and could not pass the segment: raise its limit "
+                             "(ulimit -n) or have it free tensors it no longer needs");
+    }
+    throw SyscallError(err, "fetch_fd", resource, hint);
   }
   return std::move(fds[0]);
 }

@@ -149,7 +149,7 @@ void init_exchange(py::module_& m) {
           [](const PyLatestChannel& c) {
             const LatestHeader& h = c.channel.header();
             py::list stamps, readers;
-            for (uint32_t i = 0; i < h.nbuffers; ++i) stamps.append(h.buffers[i].stamp.load());
+            for (uint32_t i = 0; i < c.channel.nbuffers(); ++i) stamps.append(h.buffers[i].stamp.load());
             for (uint32_t s = 0; s < LATEST_READER_SLOTS; ++s) {
               uint64_t key = h.readers[s].holder.key();
               if (key == 0) continue;

@@ -10,6 +10,7 @@
 // (Note [Waiting without the GIL] in bindings.h).
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 #include <vector>
@@ -260,8 +261,12 @@ class RingHandle {
     }
     // Dead holders could not drop their references to the ring's block: drop them here.
     // Ours keeps the block alive meanwhile.
+    // The table is shared memory: a peer could write any count there, so never drop more
+    // references than the block has besides ours.
     auto& ref = block_.cast<BlockRef&>();
-    for (uint32_t i = 0; i < reaped; ++i) decref_block(*ref.mapping(), ref.index());
+    int64_t others = ref.mapping()->slots()[ref.index()].refcount.load() - 1;
+    int64_t drop = std::clamp<int64_t>(others, 0, reaped);
+    for (int64_t i = 0; i < drop; ++i) decref_block(*ref.mapping(), ref.index());
     return last;
   }
 
@@ -279,9 +284,18 @@ class RingHandle {
 
   Ring::Counts counts() {
     Use use(*this);
-    py::gil_scoped_release nogil;
-    return ring_.counts();
+    return *locked_read([&](const Deadline& d) { return ring_.counts(d); });
   }
+
+  /// Runs a read of the ring under its mutex without the GIL, a slice at a time, running
+  /// signal handlers between slices: a peer stopped (SIGSTOP) while holding the mutex keeps
+  /// this call waiting, but never freezes the interpreter or deafens it to Ctrl-C.
+  template <typename Read>
+  static auto locked_read(Read&& read) -> decltype(read(std::declval<const Deadline&>())) {
+    return wait_without_gil([&] { return read(Deadline(LOCKED_READ_SLICE_S)); },
+                            [](const auto& answer) { return !answer.has_value(); });
+  }
+  static constexpr double LOCKED_READ_SLICE_S = 0.2;
 
   bool closed() const { return closed_.load(std::memory_order_acquire); }
   const py::object& block() const { return block_; }
@@ -342,6 +356,8 @@ void init_queue(py::module_& m) {
                   "Constructs a new ring in `block`; this object is its first holder.")
       .def_static("open", &RingHandle::open, py::arg("block"),
                   "Views the ring in `block`, adopting the holder its handle carried.")
+      .def_static("layout", &ring_layout,
+                  "(field, offset, size) of the ring's shared header (fuzz tests only).")
       .def_static("footprint", &Ring::footprint, py::arg("capacity"),
                   "Bytes of memory a ring of `capacity` bytes needs.")
       .def_static("frame_bytes", &Ring::frame_bytes, py::arg("payload"),
@@ -385,12 +401,18 @@ void init_queue(py::module_& m) {
       .def_property_readonly("joinable", [](RingHandle& r) { return r.ring().joinable(); })
       .def_property_readonly("recoveries", [](RingHandle& r) { return r.ring().recoveries(); })
       .def_property_readonly("broken", [](RingHandle& r) { return r.ring().broken(); })
-      .def_property_readonly("holders", [](RingHandle& r) { return r.ring().holders(); })
+      .def_property_readonly("holders",
+                             [](RingHandle& r) {
+                               return *RingHandle::locked_read(
+                                   [&](const Deadline& d) { return r.ring().holders(d); });
+                             })
       .def(
           "holder_table",
           [](RingHandle& r) {
             py::list out;
-            for (const auto& h : r.ring().holder_table()) {
+            auto table = *RingHandle::locked_read(
+                [&](const Deadline& d) { return r.ring().holder_table(d); });
+            for (const auto& h : table) {
               out.append(py::make_tuple(h.pid, h.refs, h.alive));
             }
             return out;

@@ -1,6 +1,8 @@
 // Blocks, handles and the arena (Note [Segment layout], Note [Block lifetime]).
 #include <pybind11/stl.h>
 
+#include <cstddef>
+
 #include "python/bindings.h"
 #include "shm/arena.h"
 #include "shm/reaper.h"
@@ -24,16 +26,31 @@ Handle from_tuple(const py::tuple& t) {
     throw py::value_error("a torch_mp_ext block handle is an 8-tuple, got " +
                           std::to_string(t.size()) + " items");
   }
-  Handle h;
-  h.named = t[0].cast<bool>();
-  h.segment_id = t[1].cast<uint64_t>();
-  h.secret = t[2].cast<uint64_t>();
-  h.size = t[3].cast<uint64_t>();
-  h.index = t[4].cast<uint32_t>();
-  h.generation = t[5].cast<uint32_t>();
-  h.owner_pid = t[6].cast<int32_t>();
-  h.location = t[7].cast<std::string>();
-  return h;
+  // A handle arrives in a pickle, from any peer: a field of the wrong type or range is a
+  // TypeError naming it (pybind11's own cast error names neither).
+  static const char* const names[] = {"named", "segment_id", "secret", "size",
+                                      "index", "generation", "owner_pid", "location"};
+  static const char* const kinds[] = {"a bool", "an unsigned 64-bit integer",
+                                      "an unsigned 64-bit integer", "an unsigned 64-bit integer",
+                                      "an unsigned 32-bit integer", "an unsigned 32-bit integer",
+                                      "a 32-bit integer", "a str"};
+  size_t at = 0;
+  try {
+    Handle h;
+    h.named = t[at].cast<bool>();
+    h.segment_id = t[++at].cast<uint64_t>();
+    h.secret = t[++at].cast<uint64_t>();
+    h.size = t[++at].cast<uint64_t>();
+    h.index = t[++at].cast<uint32_t>();
+    h.generation = t[++at].cast<uint32_t>();
+    h.owner_pid = t[++at].cast<int32_t>();
+    h.location = t[++at].cast<std::string>();
+    return h;
+  } catch (const py::cast_error&) {
+    throw py::type_error(std::string("a torch_mp_ext block handle's field '") + names[at] +
+                         "' must be " + kinds[at] + ", got " +
+                         std::string(py::repr(t[at]).cast<std::string>()).substr(0, 80));
+  }
 }
 
 }  // namespace
@@ -53,6 +70,10 @@ void init_shm(py::module_& m) {
       .def_property_readonly("index", &BlockRef::index)
       .def_property_readonly("generation", &BlockRef::generation)
       .def_property_readonly("segment_id", [](const BlockRef& b) { return b.mapping()->id(); })
+      .def_property_readonly(
+          "segment_address",
+          [](const BlockRef& b) { return reinterpret_cast<uintptr_t>(b.mapping()->base()); },
+          "Where this process maps the block's segment header (tests write garbage there).")
       .def_property_readonly("named", [](const BlockRef& b) { return b.mapping()->named(); })
       .def_property_readonly("name",
                              [](const BlockRef& b) -> py::object {
@@ -112,6 +133,28 @@ void init_shm(py::module_& m) {
   m.def("reclaim_dead_holders", [] { return Registry::instance().reclaim_dead_holders(); },
         R"pbdoc(Drops dead processes' block references on every mapped segment; returns how
         many (Note [Dead holders]).)pbdoc");
+  m.def(
+      "segment_layout",
+      [] {
+#define TMX_SEG_FIELD(f) \
+  py::tuple(py::make_tuple(#f, offsetof(SegmentHeader, f), sizeof(SegmentHeader::f)))
+        py::list out;
+        for (const py::tuple& t : {TMX_SEG_FIELD(magic), TMX_SEG_FIELD(layout_version), TMX_SEG_FIELD(kind),
+                         TMX_SEG_FIELD(segment_id), TMX_SEG_FIELD(secret),
+                         TMX_SEG_FIELD(total_size), TMX_SEG_FIELD(block_size),
+                         TMX_SEG_FIELD(data_offset), TMX_SEG_FIELD(masks_offset),
+                         TMX_SEG_FIELD(nblocks), TMX_SEG_FIELD(owner_pid),
+                         TMX_SEG_FIELD(owner_key), TMX_SEG_FIELD(pidns), TMX_SEG_FIELD(flags),
+                         TMX_SEG_FIELD(live_blocks), TMX_SEG_FIELD(free_head),
+                         TMX_SEG_FIELD(inflight), TMX_SEG_FIELD(name), TMX_SEG_FIELD(holders)}) {
+          out.append(t);
+        }
+#undef TMX_SEG_FIELD
+        out.append(py::make_tuple("slots", slots_offset(), sizeof(BlockSlot)));
+        return out;
+      },
+      R"pbdoc((field, offset, size) of a segment's shared header; "slots" gives the slot table's
+      offset and one slot's size (fuzz tests only).)pbdoc");
   m.def("empty_cache", [] { return Arena::instance().empty_cache(); },
         R"pbdoc(Retires every owned segment with no live block; returns bytes released.)pbdoc");
   m.def("class_size", &Arena::class_size, py::arg("nbytes"));

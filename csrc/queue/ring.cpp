@@ -4,6 +4,7 @@
 
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <new>
 
@@ -67,6 +68,18 @@ char* FrameBuffer::append(size_t n) {
   return at;
 }
 
+#define TMX_RING_FIELD(f) {#f, offsetof(RingHeader, f), sizeof(RingHeader::f)}
+std::vector<std::tuple<const char*, size_t, size_t>> ring_layout() {
+  return {TMX_RING_FIELD(magic),       TMX_RING_FIELD(version),   TMX_RING_FIELD(flags),
+          TMX_RING_FIELD(capacity),    TMX_RING_FIELD(maxsize),   TMX_RING_FIELD(data_offset),
+          TMX_RING_FIELD(spin_ns),     TMX_RING_FIELD(pidns),     TMX_RING_FIELD(inflight),
+          TMX_RING_FIELD(untracked),   TMX_RING_FIELD(recoveries), TMX_RING_FIELD(broken),
+          TMX_RING_FIELD(journal_valid), TMX_RING_FIELD(doorbell), TMX_RING_FIELD(not_empty),
+          TMX_RING_FIELD(not_full),    TMX_RING_FIELD(all_done),  TMX_RING_FIELD(mutex),
+          TMX_RING_FIELD(state),       TMX_RING_FIELD(journal),   TMX_RING_FIELD(holders)};
+}
+#undef TMX_RING_FIELD
+
 // ---- creation -----------------------------------------------------------------------------
 
 size_t Ring::header_bytes() { return (sizeof(RingHeader) + 63) & ~size_t{63}; }
@@ -76,7 +89,10 @@ size_t Ring::footprint(uint64_t capacity) {
 }
 
 Ring::Ring(RingHeader* header)
-    : h_(header), data_(reinterpret_cast<char*>(header) + header->data_offset) {}
+    : h_(header),
+      data_(reinterpret_cast<char*>(header) + header_bytes()),
+      capacity_(header->capacity),
+      spin_ns_(header->spin_ns) {}
 
 Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
   uint64_t capacity = (options.capacity + 7) & ~uint64_t{7};
@@ -93,7 +109,7 @@ Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
   h->capacity = capacity;
   h->maxsize = options.maxsize;
   h->data_offset = header_bytes();
-  h->spin_ns = options.spin_ns < 0 ? 0 : options.spin_ns;
+  h->spin_ns = std::clamp<int64_t>(options.spin_ns, 0, MAX_SPIN_NS);
   h->pidns = pid_namespace_id();
   h->inflight.store(0, std::memory_order_relaxed);
   h->untracked.store(0, std::memory_order_relaxed);
@@ -115,20 +131,48 @@ Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
   h->journal = RingState{0, 0, 0, 0};
   std::atomic_thread_fence(std::memory_order_release);
   h->magic = RING_MAGIC;
-  Ring ring(h);
+  Ring ring(h);  // reads the fields just written
   ring.add_holders(1);
   return ring;
 }
 
 Ring Ring::open(void* memory, size_t size) {
   auto* h = static_cast<RingHeader*>(memory);
-  if (size < header_bytes() || h->magic != RING_MAGIC || h->version != RING_VERSION ||
-      h->data_offset != header_bytes() || h->capacity > size - header_bytes()) {
+  if (size < header_bytes() || h->magic != RING_MAGIC || h->version != RING_VERSION) {
     throw CorruptSegmentError(detail::str_cat(
         "this shared-memory block does not hold a torch_mp_ext queue of layout version ",
         RING_VERSION, " (was the queue created by another version of torch_mp_ext?)"));
   }
-  return Ring(h);
+  Ring ring(h);  // copies capacity and spin_ns once: only the copies are used from here on
+  auto corrupt = [](const char* field, uint64_t value, const char* why) {
+    return CorruptSegmentError(detail::str_cat("the shared memory of this queue is corrupt: "
+                                               "ring header field '", field, "' is ", value,
+                                               " (", why, ")"));
+  };
+  if (h->data_offset != header_bytes()) {
+    throw corrupt("data_offset", h->data_offset, "it must follow the header");
+  }
+  if (ring.capacity_ < 2 * FRAME_HEADER || ring.capacity_ % 8 != 0 ||
+      ring.capacity_ > MAX_RING_CAPACITY || ring.capacity_ > size - header_bytes()) {
+    throw corrupt("capacity", ring.capacity_,
+                  "a multiple of 8 from 16 bytes to 2 GiB, within the block");
+  }
+  if (ring.spin_ns_ < 0 || ring.spin_ns_ > MAX_SPIN_NS) {
+    throw corrupt("spin_ns", static_cast<uint64_t>(ring.spin_ns_), "0 to 1 s");
+  }
+  return ring;
+}
+
+void Ring::check_state() {
+  const RingState& s = h_->state;
+  if (s.tail < s.head || s.tail - s.head > capacity_ || s.head % 8 != 0 || s.tail % 8 != 0) {
+    h_->broken.store(1, std::memory_order_release);
+    unlock();
+    throw CorruptSegmentError(detail::str_cat(
+        "the shared memory of this queue is corrupt: ring state head=", s.head, " tail=",
+        s.tail, " does not fit its capacity of ", capacity_,
+        " bytes; a process wrote garbage into it. Create a new queue"));
+  }
 }
 
 // ---- locking and repair -------------------------------------------------------------------
@@ -144,6 +188,7 @@ Ring::Lock Ring::lock(const Deadline& deadline, bool try_only) {
         "this queue's shared memory was found inconsistent after a process died while using "
         "it; no further item can be trusted. Create a new queue");
   }
+  check_state();
   return Lock::Ok;
 }
 
@@ -164,7 +209,7 @@ void Ring::repair() {
 
 bool Ring::chain_ok() const {
   const RingState& s = h_->state;
-  if (s.tail < s.head || s.tail - s.head > h_->capacity || s.head % 8 != 0 || s.tail % 8 != 0) {
+  if (s.tail < s.head || s.tail - s.head > capacity_ || s.head % 8 != 0 || s.tail % 8 != 0) {
     return false;
   }
   uint64_t pos = s.head;
@@ -173,7 +218,7 @@ bool Ring::chain_ok() const {
     FrameHeader fh;
     copy_out(pos, &fh, sizeof(fh));
     uint64_t bytes = frame_bytes(fh.size);
-    if (bytes > s.tail - pos) return false;
+    if (bytes > s.tail - pos || bytes > capacity_) return false;
     pos += bytes;
     ++frames;
   }
@@ -194,15 +239,15 @@ void Ring::commit(const RingState& next, CrashPoint after_commit) {
 // ---- data ---------------------------------------------------------------------------------
 
 void Ring::copy_in(uint64_t pos, const void* src, size_t n) {
-  size_t at = static_cast<size_t>(pos % h_->capacity);
-  size_t first = std::min<size_t>(n, h_->capacity - at);
+  size_t at = static_cast<size_t>(pos % capacity_);
+  size_t first = std::min<size_t>(n, capacity_ - at);
   std::memcpy(data_ + at, src, first);
   if (first < n) std::memcpy(data_, static_cast<const char*>(src) + first, n - first);
 }
 
 void Ring::copy_out(uint64_t pos, void* dst, size_t n) const {
-  size_t at = static_cast<size_t>(pos % h_->capacity);
-  size_t first = std::min<size_t>(n, h_->capacity - at);
+  size_t at = static_cast<size_t>(pos % capacity_);
+  size_t first = std::min<size_t>(n, capacity_ - at);
   std::memcpy(dst, data_ + at, first);
   if (first < n) std::memcpy(static_cast<char*>(dst) + first, data_, n - first);
 }
@@ -212,8 +257,8 @@ Status Ring::wait_on(Held& held, SharedCondition& cond, const Deadline& deadline
   uint32_t seen = cond.snapshot();
   held.release();
   bool sliced = deadline.infinite() || deadline.remaining_ms() > WAIT_SLICE_MS;
-  auto woke = sliced ? cond.wait(seen, Deadline(WAIT_SLICE_S), h_->spin_ns)
-                     : cond.wait(seen, deadline, h_->spin_ns);
+  auto woke = sliced ? cond.wait(seen, Deadline(WAIT_SLICE_S), spin_ns_)
+                     : cond.wait(seen, deadline, spin_ns_);
   if (woke == SharedCondition::Woke::Interrupted) return Status::Interrupted;
   if (woke == SharedCondition::Woke::TimedOut && sliced) return Status::Interrupted;
   // An event, or the deadline: re-check the predicate once more under the mutex.
@@ -228,9 +273,9 @@ Status Ring::put(const FrameIn* frames, size_t n, const Deadline& deadline,
                  const std::atomic<bool>* closed, bool try_only) {
   uint64_t total = 0;
   for (size_t i = 0; i < n; ++i) total += frame_bytes(frames[i].size);
-  TMX_CHECK_VALUE(total <= h_->capacity, n == 1 ? "an item of " : "a batch of ",
+  TMX_CHECK_VALUE(total <= capacity_, n == 1 ? "an item of " : "a batch of ",
                   n == 1 ? frames[0].size : total, " bytes can never fit in a queue of ",
-                  h_->capacity, " bytes");
+                  capacity_, " bytes");
   TMX_CHECK_VALUE(h_->maxsize == 0 || n <= h_->maxsize, "a batch of ", n,
                   " items can never fit in a queue of maxsize ", h_->maxsize);
   if (n == 0) return Status::Ok;
@@ -241,7 +286,7 @@ Status Ring::put(const FrameIn* frames, size_t n, const Deadline& deadline,
   for (;;) {
     if (is_closed(closed)) return Status::Closed;
     const RingState& s = h_->state;
-    if (s.tail - s.head + total <= h_->capacity &&
+    if (s.tail - s.head + total <= capacity_ &&
         (h_->maxsize == 0 || s.count + n <= h_->maxsize)) {
       break;
     }
@@ -296,9 +341,11 @@ Status Ring::get(FrameBuffer& bytes, std::vector<FrameOut>& frames, size_t max_f
   for (size_t i = 0; i < take; ++i) {
     FrameHeader fh;
     copy_out(next.head, &fh, sizeof(fh));
-    if (frame_bytes(fh.size) > next.tail - next.head) {
+    if (frame_bytes(fh.size) > next.tail - next.head) {  // check_state: tail - head <= cap
       h_->broken.store(1, std::memory_order_release);
-      throw PeerDiedError("a queue frame header is inconsistent with the ring's state");
+      throw CorruptSegmentError(detail::str_cat(
+          "the shared memory of this queue is corrupt: a frame header says ", fh.size,
+          " bytes but the ring holds ", next.tail - next.head, "; create a new queue"));
     }
     frames.push_back(FrameOut{fh.tag, fh.size, bytes.size()});
     copy_out(next.head + FRAME_HEADER, bytes.append(fh.size), fh.size);
@@ -344,8 +391,8 @@ void Ring::wake_all() {
   h_->all_done.notify_all();
 }
 
-Ring::Counts Ring::counts() {
-  lock(Deadline(-1), false);
+std::optional<Ring::Counts> Ring::counts(const Deadline& deadline) {
+  if (lock(deadline, false) != Lock::Ok) return std::nullopt;
   Held held{this};
   return Counts{h_->state.count, h_->state.tail - h_->state.head, h_->state.unfinished};
 }
@@ -358,7 +405,7 @@ bool Ring::doorbell_should_ring() {
 
 void Ring::doorbell_clear() { h_->doorbell.store(0, std::memory_order_seq_cst); }
 
-uint64_t Ring::capacity() const { return h_->capacity; }
+uint64_t Ring::capacity() const { return capacity_; }
 uint64_t Ring::maxsize() const { return h_->maxsize; }
 bool Ring::joinable() const { return (h_->flags & RING_JOINABLE) != 0; }
 uint64_t Ring::recoveries() const { return h_->recoveries.load(std::memory_order_relaxed); }

@@ -73,6 +73,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "common/deadline.h"
@@ -92,6 +94,8 @@ constexpr uint64_t MAX_RING_CAPACITY = uint64_t{1} << 31;
 /// Default busy-wait before sleeping: about the time a Python producer needs to make its next
 /// item, so a 1→1 stream rarely pays for a futex wake-up (measured in benchmarks/bench_queue.py).
 constexpr int64_t DEFAULT_SPIN_NS = 50000;
+/// Most a waiter spins before it sleeps (a larger spin_ns in a header is corruption).
+constexpr int64_t MAX_SPIN_NS = 1000000000;
 /// Processes a ring tracks by identity (Note [Ring holders]); more are counted, not judged.
 constexpr size_t MAX_RING_HOLDERS = 128;
 
@@ -159,6 +163,10 @@ enum class CrashPoint : int {
 };
 void set_crash_point(CrashPoint point);
 
+/// (field, offset, size) of every field of the ring's shared header: for the fuzz tests that
+/// write garbage into rings (tests/test_fuzz.py), never used by the core.
+std::vector<std::tuple<const char*, size_t, size_t>> ring_layout();
+
 /// A view of a ring in mapped memory; copyable, owns nothing. Every method is thread- and
 /// process-safe; blocking methods must be called without the GIL.
 class Ring {
@@ -198,7 +206,9 @@ class Ring {
     uint64_t used_bytes;
     uint64_t unfinished;
   };
-  Counts counts();
+  /// Read together under the mutex; nullopt if it could not be taken by `deadline` (the
+  /// caller retries after running signal handlers: a stopped peer must not freeze it).
+  std::optional<Counts> counts(const Deadline& deadline);
 
   /// The doorbell flag of Note [SimpleQueue internals that the standard library uses] in
   /// queues/compat.py: true if the caller must ring (the flag was clear; it is set now).
@@ -215,14 +225,14 @@ class Ring {
   void share_holder();
   void adopt_shared_holder();
   /// Holders of every process, dead or alive, plus those in flight.
-  int64_t holders();
+  std::optional<int64_t> holders(const Deadline& deadline);
   struct HolderInfo {
     int64_t pid;
     uint32_t refs;
     bool alive;
   };
   /// The processes in the holder table (diagnostics and tests).
-  std::vector<HolderInfo> holder_table();
+  std::optional<std::vector<HolderInfo>> holder_table(const Deadline& deadline);
 
   uint64_t capacity() const;
   uint64_t maxsize() const;
@@ -246,8 +256,14 @@ class Ring {
   Status wait_on(Held& held, SharedCondition& cond, const Deadline& deadline,
                  Status on_timeout);
 
+  /// Checks the shared state (head, tail) against capacity_ under the mutex: a peer that
+  /// wrote garbage there marks the ring broken instead of steering a copy out of bounds.
+  void check_state();
+
   RingHeader* h_;
   char* data_;
+  uint64_t capacity_;  ///< validated copy of h_->capacity (Note [Geometry snapshot])
+  int64_t spin_ns_;    ///< validated copy of h_->spin_ns
 };
 
 }  // namespace torch_mp_ext

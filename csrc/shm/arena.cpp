@@ -1,5 +1,6 @@
 #include "shm/arena.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -59,7 +60,20 @@ uint32_t Arena::blocks_per_segment(uint64_t block_size) {
 }
 
 std::unique_ptr<BlockRef> Arena::take_locked(const std::shared_ptr<Mapping>& mapping) {
-  uint32_t index = free_pop(mapping->header());
+  uint32_t index = NO_BLOCK;
+  try {
+    index = mapping->pop_free();
+  } catch (const CorruptSegmentError&) {
+    // A peer scribbled on the free stack: this segment hands out nothing more (its live blocks
+    // stay mapped); the next allocation makes a fresh one.
+    std::shared_ptr<Mapping> bad = mapping;  // `mapping` may be the pool's own element
+    auto& pool = pools_[bad->block_size()];
+    pool.erase(std::remove(pool.begin(), pool.end(), bad), pool.end());
+    auto& registry = Registry::instance();
+    std::lock_guard<std::mutex> lock(registry.mutex());
+    registry.retire_locked(bad);
+    throw;
+  }
   if (index == NO_BLOCK) return nullptr;
   init_allocated(*mapping, index);
   auto& registry = Registry::instance();
@@ -79,7 +93,10 @@ std::shared_ptr<Mapping> Arena::new_segment_locked(uint64_t block_size) {
   try {
     mapping = create_segment(spec);
   } catch (const SyscallError& e) {
-    if (e.err() != ENOSPC && e.err() != ENOMEM) throw;
+    // Out of room or out of fds: the cache of free segments holds both (one fd each).
+    if (e.err() != ENOSPC && e.err() != ENOMEM && e.err() != EMFILE && e.err() != ENFILE) {
+      throw;
+    }
     if (trim_locked(0) == 0) throw;
     mapping = create_segment(spec);  // the cache held the room we needed
   }
@@ -103,7 +120,7 @@ std::unique_ptr<BlockRef> Arena::allocate(size_t nbytes, bool named) {
     spec.named = true;
     spec.flags = FLAG_UNLINK_ON_ZERO;
     auto mapping = create_segment(spec);
-    uint32_t index = free_pop(mapping->header());
+    uint32_t index = mapping->pop_free();
     init_allocated(*mapping, index);
     auto& registry = Registry::instance();
     std::lock_guard<std::mutex> lock(registry.mutex());

@@ -130,11 +130,6 @@ inline HolderTable holders_of(SegmentHeader* h) {
   return HolderTable(h->holders, MAX_HOLDERS, sizeof(HolderSlot), h->pidns);
 }
 
-inline HolderMask* masks_of(SegmentHeader* h) {
-  if (h->masks_offset == 0) return nullptr;
-  return reinterpret_cast<HolderMask*>(reinterpret_cast<char*>(h) + h->masks_offset);
-}
-
 inline void mask_set(HolderMask& mask, int holder) {
   mask.bits[holder / 64].fetch_or(uint64_t{1} << (holder % 64), std::memory_order_acq_rel);
 }
@@ -166,13 +161,19 @@ inline void free_push(SegmentHeader* h, uint32_t i) {
   }
 }
 
-/// Pops a free block, or NO_BLOCK. Only the owner pops.
-inline uint32_t free_pop(SegmentHeader* h) {
+/// What free_pop returns when the stack names a block at or past `nblocks` (a peer wrote
+/// garbage into the segment: Note [Geometry snapshot]); never a valid index.
+constexpr uint32_t CORRUPT_BLOCK = NO_BLOCK - 1;
+
+/// Pops a free block, or NO_BLOCK. Only the owner pops. `nblocks` is the caller's validated
+/// copy of the segment's block count: an index at or past it is CORRUPT_BLOCK, never read.
+inline uint32_t free_pop(SegmentHeader* h, uint32_t nblocks) {
   BlockSlot* slots = slots_of(h);
   uint64_t old = h->free_head.load(std::memory_order_acquire);
   for (;;) {
     uint32_t index = static_cast<uint32_t>(old);
     if (index == NO_BLOCK) return NO_BLOCK;
+    if (index >= nblocks) return CORRUPT_BLOCK;
     uint32_t next = slots[index].next.load(std::memory_order_relaxed);
     uint64_t desired = pack_head(next, static_cast<uint32_t>(old >> 32) + 1);
     if (h->free_head.compare_exchange_weak(old, desired, std::memory_order_acq_rel,

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cerrno>
+#include <cstring>
 
 #include "common/check.h"
 #include "ipc/fd_keeper.h"
@@ -33,7 +34,7 @@ void maybe_reap_on_unmap(Mapping& m) {
   m.deregister_holder();
   if (h->inflight.load(std::memory_order_acquire) != 0) return;
   bool referenced = false;
-  for (uint32_t i = 0; i < h->nblocks; ++i) {
+  for (uint32_t i = 0; i < m.nblocks(); ++i) {
     if (m.slots()[i].refcount.load(std::memory_order_acquire) > 0) referenced = true;
   }
   if (referenced && !holders_of(h).any_alive()) unlink_name(m.name());
@@ -90,7 +91,8 @@ Handle BlockRef::share() const {
   out.index = index_;
   out.generation = generation();
   out.owner_pid = h->owner_pid;
-  out.location = out.named ? mapping_->name() : std::string(h->name);
+  // The name field is shared: never trust it to be NUL-terminated.
+  out.location = out.named ? mapping_->name() : std::string(h->name, ::strnlen(h->name, NAME_CAPACITY));
   return out;
 }
 
@@ -155,8 +157,9 @@ std::unique_ptr<BlockRef> Registry::adopt_locked(const std::shared_ptr<Mapping>&
   link_locked(ref.get());
   auto& counts = mapping->local_counts;
   if (counts.empty()) counts.assign(mapping->nblocks(), 0);
+  TMX_CHECK(index < counts.size(), "block ", index, " of a ", counts.size(), "-block segment");
   if (counts[index]++ == 0) {
-    HolderMask* masks = masks_of(mapping->header());
+    HolderMask* masks = mapping->masks();
     if (masks != nullptr && mapping->holder_index >= 0) {
       mask_set(masks[index], mapping->holder_index);  // Note [Dead holders]: after counting
     }
@@ -168,7 +171,7 @@ std::unique_ptr<BlockRef> Registry::adopt_locked(const std::shared_ptr<Mapping>&
 
 void Registry::drop_local_locked(Mapping& mapping, uint32_t index) {
   if (--mapping.local_counts[index] != 0) return;
-  HolderMask* masks = masks_of(mapping.header());
+  HolderMask* masks = mapping.masks();
   if (masks != nullptr && mapping.holder_index >= 0) {
     mask_clear(masks[index], mapping.holder_index);  // Note [Dead holders]: before dropping
   }
@@ -187,11 +190,11 @@ void Registry::on_release(BlockRef* ref) {
 
 size_t Registry::reclaim_locked(Mapping& mapping) {
   SegmentHeader* h = mapping.header();
-  HolderMask* masks = masks_of(h);
+  HolderMask* masks = mapping.masks();
   if (masks == nullptr) return 0;
   size_t reclaimed = 0;
   holders_of(h).reap([&](size_t slot) {  // Note [Dead holders]
-    for (uint32_t i = 0; i < h->nblocks; ++i) {
+    for (uint32_t i = 0; i < mapping.nblocks(); ++i) {
       if (mask_clear(masks[i], static_cast<int>(slot))) {
         decref_block(mapping, i);
         ++reclaimed;
@@ -249,11 +252,11 @@ std::shared_ptr<Mapping> Registry::map_handle(const Handle& handle, double timeo
   // Map without the lock: fetching an fd may wait for the owner.
   std::shared_ptr<Mapping> mapping;
   if (handle.named) {
-    mapping = open_named_segment(handle.location, handle.segment_id);
+    mapping = open_named_segment(handle.location, handle.segment_id, handle.size);
   } else {
     UniqueFd fd = fetch_fd(handle.location, handle.segment_id, handle.secret,
                            handle.owner_pid, timeout);
-    mapping = map_segment_fd(std::move(fd), handle.segment_id);
+    mapping = map_segment_fd(std::move(fd), handle.segment_id, handle.size);
   }
   if (mapping->size() != handle.size) {
     throw CorruptSegmentError(detail::str_cat("shared memory segment ", handle.segment_id,
@@ -269,14 +272,23 @@ std::shared_ptr<Mapping> Registry::map_handle(const Handle& handle, double timeo
 std::unique_ptr<BlockRef> Registry::attach(const Handle& handle, double timeout) {
   auto mapping = map_handle(handle, timeout);
   std::lock_guard<std::mutex> lock(mu_);
-  TMX_CHECK_VALUE(handle.index < mapping->nblocks(), "block index ", handle.index,
-                  " out of range for segment ", handle.segment_id);
-  uint32_t generation = mapping->slots()[handle.index].generation.load();
-  if (generation != handle.generation) {
-    throw CorruptSegmentError(detail::str_cat(
-        "stale handle: block ", handle.index, " of segment ", handle.segment_id,
-        " was freed and reused (generation ", generation, ", handle ", handle.generation,
-        "); the reference this handle carried was dropped twice"));
+  try {
+    if (mapping->kind() != SegmentKind::Arena) {
+      throw CorruptSegmentError(detail::str_cat("shared memory segment ", mapping->describe(),
+                                                " is a counter file, not a block segment"));
+    }
+    TMX_CHECK_VALUE(handle.index < mapping->nblocks(), "block index ", handle.index,
+                    " out of range for segment ", handle.segment_id);
+    uint32_t generation = mapping->slots()[handle.index].generation.load();
+    if (generation != handle.generation) {
+      throw CorruptSegmentError(detail::str_cat(
+          "stale handle: block ", handle.index, " of segment ", handle.segment_id,
+          " was freed and reused (generation ", generation, ", handle ", handle.generation,
+          "); the reference this handle carried was dropped twice"));
+    }
+  } catch (...) {
+    maybe_unmap_locked(mapping);  // a bad handle leaves no mapping behind
+    throw;
   }
   mapping->header()->inflight.fetch_sub(1, std::memory_order_acq_rel);
   return adopt_locked(mapping, handle.index);
@@ -285,7 +297,10 @@ std::unique_ptr<BlockRef> Registry::attach(const Handle& handle, double timeout)
 void Registry::release_handle(const Handle& handle, double timeout) {
   auto mapping = map_handle(handle, timeout);
   std::lock_guard<std::mutex> lock(mu_);
-  if (handle.index >= mapping->nblocks()) return;
+  if (handle.index >= mapping->nblocks() || mapping->kind() != SegmentKind::Arena) {
+    maybe_unmap_locked(mapping);  // not a block of this segment: nothing to drop
+    return;
+  }
   mapping->header()->inflight.fetch_sub(1, std::memory_order_acq_rel);
   decref_block(*mapping, handle.index);
   maybe_unmap_locked(mapping);
@@ -414,7 +429,7 @@ void Registry::atfork_child() {
     mapping->close_fd();
     mapping->holder_index = -1;  // the parent's slot; the child takes its own
     mapping->register_holder();
-    HolderMask* masks = masks_of(mapping->header());
+    HolderMask* masks = mapping->masks();
     auto& counts = mapping->local_counts;
     for (uint32_t i = 0; i < counts.size(); ++i) {
       if (counts[i] == 0) continue;  // Note [Mappings and fork]: the child counts its own

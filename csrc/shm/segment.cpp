@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -64,6 +65,16 @@ std::string no_space_hint(size_t size, bool in_dev_shm) {
   return hint;
 }
 
+/// The fix to suggest when this process is out of file descriptors.
+std::string no_fd_hint() {
+  return detail::str_cat(
+      "this process is at its open-file limit (RLIMIT_NOFILE=", fd_limit(),
+      "): each shared-memory segment it created for the file_descriptor strategy keeps one "
+      "fd. Free tensors it no longer needs (the fds of unused segments are released and this "
+      "call retried automatically), raise the limit (ulimit -n, or resource.setrlimit), or "
+      "use set_sharing_strategy('file_system')");
+}
+
 /// ftruncate + posix_fallocate: pages are reserved now, so a full /dev/shm is an error here
 /// instead of a SIGBUS at first touch (Note [Segment layout]).
 void reserve(int fd, size_t size, const std::string& resource, bool in_dev_shm) {
@@ -83,7 +94,16 @@ char* map_fd(int fd, size_t size, const std::string& resource) {
   if (p == MAP_FAILED) {
     int err = errno;
     std::string hint;
-    if (err == ENOMEM) hint = "the address space or vm.max_map_count is exhausted";
+    if (err == ENOMEM) {
+      struct rlimit as {};
+      ::getrlimit(RLIMIT_AS, &as);
+      hint = detail::str_cat(
+          "this process's address space is exhausted: its limit (RLIMIT_AS, ulimit -v) is ",
+          as.rlim_cur == RLIM_INFINITY ? std::string("unlimited") : human_bytes(as.rlim_cur),
+          ", and the kernel allows vm.max_map_count mappings per process. Free tensors it "
+          "no longer needs (unused segments are released and the call retried), send smaller "
+          "ones, or raise the limit");
+    }
     throw SyscallError(err, "mmap", resource, hint);
   }
   return static_cast<char*>(p);
@@ -118,7 +138,8 @@ void init_header(char* base, size_t size, size_t data_offset, const SegmentSpec&
   std::snprintf(h->name, sizeof(h->name), "%s", name.c_str());
   BlockSlot* slots = slots_of(h);
   for (uint32_t i = 0; i < spec.nblocks; ++i) new (&slots[i]) BlockSlot();
-  if (HolderMask* masks = masks_of(h)) {
+  if (h->masks_offset != 0) {
+    auto* masks = reinterpret_cast<HolderMask*>(base + h->masks_offset);
     for (uint32_t i = 0; i < spec.nblocks; ++i) new (&masks[i]) HolderMask();
   }
   // Free stack in index order: the owner hands out low blocks first.
@@ -127,38 +148,122 @@ void init_header(char* base, size_t size, size_t data_offset, const SegmentSpec&
   h->magic = SEGMENT_MAGIC;
 }
 
+/// a + b and a * b into *out; false on overflow (a forged header must not wrap a check).
+bool add_ok(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_add_overflow(a, b, out); }
+bool mul_ok(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+bool round_up_ok(uint64_t value, uint64_t to, uint64_t* out) {
+  if (!add_ok(value, to - 1, out)) return false;
+  *out = *out / to * to;
+  return true;
+}
+
+/// Geometry of the segment whose header is at `h`, read once and checked against the mapping
+/// (Note [Geometry snapshot]): every field must be exactly what create_segment writes for that
+/// kind, block size and block count. Throws CorruptSegmentError naming `resource` and the field.
+SegmentGeometry checked_geometry(const volatile SegmentHeader* vh, size_t size,
+                                 const std::string& resource) {
+  // One read of each field through a volatile view: the compiler may not re-read them later.
+  SegmentGeometry g;
+  g.id = vh->segment_id;
+  uint32_t kind = vh->kind;
+  g.block_size = vh->block_size;
+  g.data_offset = vh->data_offset;
+  g.masks_offset = vh->masks_offset;
+  g.nblocks = vh->nblocks;
+  uint64_t total = vh->total_size;
+  auto corrupt = [&](const char* field, uint64_t value, const std::string& why) {
+    return CorruptSegmentError(detail::str_cat("shared memory segment ", resource,
+                                               " is corrupt: header field '", field, "' is ",
+                                               value, " (", why, ")"));
+  };
+  if (kind != static_cast<uint32_t>(SegmentKind::Arena) &&
+      kind != static_cast<uint32_t>(SegmentKind::Counters)) {
+    throw corrupt("kind", kind, "not an arena or counter segment");
+  }
+  g.kind = static_cast<SegmentKind>(kind);
+  if (total != size) {
+    throw corrupt("total_size", total, detail::str_cat("the mapping is ", size, " bytes"));
+  }
+  if (g.nblocks == 0 || g.nblocks >= CORRUPT_BLOCK) {
+    throw corrupt("nblocks", g.nblocks, "a segment has 1 to 2^32-3 blocks");
+  }
+  if (g.block_size % BLOCK_ALIGNMENT != 0) {
+    throw corrupt("block_size", g.block_size, "blocks are 64-byte aligned");
+  }
+  uint64_t tables = slots_offset() + uint64_t{sizeof(BlockSlot)} * g.nblocks;  // < 2^38
+  uint64_t want_masks = 0;
+  if (g.kind == SegmentKind::Arena) {
+    want_masks = (tables + 63) & ~uint64_t{63};
+    tables = want_masks + uint64_t{sizeof(HolderMask)} * g.nblocks;
+  }
+  if (g.masks_offset != want_masks) {
+    throw corrupt("masks_offset", g.masks_offset, detail::str_cat("expected ", want_masks));
+  }
+  uint64_t want_data = 0;
+  uint64_t data_bytes = 0;
+  uint64_t end = 0;
+  uint64_t page = page_size();
+  if (!round_up_ok(tables, page, &want_data) || g.data_offset != want_data) {
+    throw corrupt("data_offset", g.data_offset, detail::str_cat("expected ", want_data));
+  }
+  if (!mul_ok(g.block_size, g.nblocks, &data_bytes) || !add_ok(want_data, data_bytes, &end) ||
+      end > size) {
+    throw corrupt("block_size", g.block_size,
+                  detail::str_cat(g.nblocks, " blocks of it do not fit in ", size, " bytes"));
+  }
+  return g;
+}
+
 std::shared_ptr<Mapping> validate(char* base, size_t size, UniqueFd fd, std::string name,
                                   uint64_t expected_id, const std::string& resource) {
-  auto mapping = std::make_shared<Mapping>(base, size, std::move(fd), std::move(name), false);
-  const SegmentHeader* h = mapping->header();
-  if (size < sizeof(SegmentHeader) || h->magic != SEGMENT_MAGIC) {
+  const volatile SegmentHeader* h = reinterpret_cast<SegmentHeader*>(base);
+  if (size < slots_offset() || h->magic != SEGMENT_MAGIC) {
     throw CorruptSegmentError("shared memory segment " + resource +
                               " is not a torch_mp_ext segment (bad magic number)");
   }
-  if (h->layout_version != LAYOUT_VERSION) {
+  uint32_t version = h->layout_version;
+  if (version != LAYOUT_VERSION) {
     throw CorruptSegmentError(detail::str_cat(
-        "shared memory segment ", resource, " has layout version ", h->layout_version,
+        "shared memory segment ", resource, " has layout version ", version,
         " but this torch_mp_ext understands version ", LAYOUT_VERSION,
         ": every process must run the same torch_mp_ext release"));
   }
-  if (h->total_size != size || h->data_offset + h->block_size * h->nblocks > size ||
-      h->masks_offset + sizeof(HolderMask) * h->nblocks > h->data_offset) {
-    throw CorruptSegmentError(detail::str_cat("shared memory segment ", resource, " is ",
-                                              size, " bytes but its header says ",
-                                              h->total_size));
-  }
-  if (expected_id != 0 && h->segment_id != expected_id) {
+  SegmentGeometry geometry = checked_geometry(h, size, resource);
+  if (expected_id != 0 && geometry.id != expected_id) {
     throw CorruptSegmentError(detail::str_cat(
-        "shared memory segment ", resource, " has id ", h->segment_id, ", expected ",
+        "shared memory segment ", resource, " has id ", geometry.id, ", expected ",
         expected_id, " (the name was reused after the original segment was freed)"));
   }
-  return mapping;
+  return std::make_shared<Mapping>(base, size, std::move(fd), std::move(name), false, geometry);
 }
 
-size_t fd_size(int fd, const std::string& resource) {
+/// What a received fd or an opened name must be before it is mapped: a regular file (shm or
+/// memfd) of this user, of the size the handle announced (when known) and big enough for a
+/// header. (A peer of the same user can still truncate a /dev/shm file under our mapping, a
+/// SIGBUS at the next access; the memfds we create are sealed against it.)
+size_t checked_fd_size(int fd, const std::string& resource, uint64_t expected_size) {
   struct stat st;
   TMX_SYSCHECK(::fstat(fd, &st), "fstat", resource);
-  return static_cast<size_t>(st.st_size);
+  if (!S_ISREG(st.st_mode)) {
+    throw CorruptSegmentError("shared memory segment " + resource +
+                              " is not a shared-memory file (not a regular file or memfd)");
+  }
+  if (st.st_uid != ::geteuid()) {
+    throw CorruptSegmentError(detail::str_cat(
+        "shared memory segment ", resource, " belongs to uid ", st.st_uid, ", not to this ",
+        "process's uid ", ::geteuid(), ": refusing memory another user controls"));
+  }
+  auto size = static_cast<uint64_t>(st.st_size);
+  if (size < slots_offset()) {
+    throw CorruptSegmentError(detail::str_cat("shared memory segment ", resource, " is ", size,
+                                              " bytes: truncated (a header needs ",
+                                              slots_offset(), ")"));
+  }
+  if (expected_size != 0 && size != expected_size) {
+    throw CorruptSegmentError(detail::str_cat("shared memory segment ", resource, " is ", size,
+                                              " bytes but its handle says ", expected_size));
+  }
+  return static_cast<size_t>(size);
 }
 
 }  // namespace
@@ -175,8 +280,30 @@ size_t segment_size_for(const SegmentSpec& spec, size_t* data_offset) {
   return round_up(offset + spec.block_size * spec.nblocks, page);
 }
 
-Mapping::Mapping(char* base, size_t size, UniqueFd fd, std::string name, bool owned_)
-    : owned(owned_), base_(base), size_(size), fd_(std::move(fd)), name_(std::move(name)) {}
+Mapping::Mapping(char* base, size_t size, UniqueFd fd, std::string name, bool owned_,
+                 const SegmentGeometry& geometry)
+    : owned(owned_),
+      base_(base),
+      size_(size),
+      fd_(std::move(fd)),
+      name_(std::move(name)),
+      geo_(geometry) {}
+
+uint32_t Mapping::pop_free() {
+  uint32_t index = free_pop(header(), geo_.nblocks);
+  if (index == CORRUPT_BLOCK) {
+    throw CorruptSegmentError(detail::str_cat(
+        "shared memory segment ", describe(), " is corrupt: its free stack ('free_head' or a "
+        "block's 'next') names a block outside its ", geo_.nblocks,
+        " blocks; a process wrote garbage into it"));
+  }
+  return index;
+}
+
+std::string Mapping::describe() const {
+  if (named()) return "/dev/shm" + name_;
+  return detail::str_cat("memfd segment ", geo_.id);
+}
 
 Mapping::~Mapping() {
   if (base_ != nullptr) ::munmap(base_, size_);
@@ -204,17 +331,22 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
       }
       int err = errno;
       if ((err == EEXIST || err == EINTR) && attempt < 16) continue;
-      throw SyscallError(err, "shm_open", "/dev/shm" + name);
+      throw SyscallError(err, "shm_open", "/dev/shm" + name,
+                         err == EMFILE || err == ENFILE ? no_fd_hint() : "");
     }
     resource = "/dev/shm" + name;
   } else if (g_backend.load() == AnonymousBackend::Memfd) {
     resource = "memfd:tmx_" + std::to_string(self_pid());
-    int raw = ::memfd_create(resource.c_str() + 6, MFD_CLOEXEC);
+    int raw = ::memfd_create(resource.c_str() + 6, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (raw < 0 && (errno == ENOSYS || errno == EPERM)) {
       g_backend.store(AnonymousBackend::ShmUnlinked);  // seccomp or an old kernel
       return create_segment(spec);
     }
-    if (raw < 0) throw SyscallError(errno, "memfd_create", resource);
+    if (raw < 0) {
+      int err = errno;
+      throw SyscallError(err, "memfd_create", resource,
+                         err == EMFILE || err == ENFILE ? no_fd_hint() : "");
+    }
     fd.reset(raw);
     in_dev_shm = false;
   } else {
@@ -228,7 +360,8 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
       }
       int err = errno;
       if ((err == EEXIST || err == EINTR) && attempt < 16) continue;
-      throw SyscallError(err, "shm_open", "/dev/shm" + tmp);
+      throw SyscallError(err, "shm_open", "/dev/shm" + tmp,
+                         err == EMFILE || err == ENFILE ? no_fd_hint() : "");
     }
     ::shm_unlink(tmp.c_str());  // anonymous from now on: nothing can leak a name
     resource = "/dev/shm" + tmp + " (unlinked)";
@@ -236,6 +369,11 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
   char* base = nullptr;
   try {
     reserve(fd.get(), size, resource, in_dev_shm);
+    if (!spec.named && g_backend.load() == AnonymousBackend::Memfd) {
+      // Sealed: no process that receives the fd can truncate it under the others' mappings.
+      TMX_SYSCHECK(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
+                   "fcntl(F_ADD_SEALS)", resource);
+    }
     base = map_fd(fd.get(), size, resource);
     init_header(base, size, data_offset, spec, name);
   } catch (...) {
@@ -244,18 +382,23 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
     throw;
   }
   if (spec.named) fd.reset();  // named segments are reopened by name: no fd to keep
-  auto mapping = std::make_shared<Mapping>(base, size, std::move(fd), name, true);
+  SegmentGeometry geometry;
+  geometry.id = reinterpret_cast<SegmentHeader*>(base)->segment_id;
+  geometry.kind = spec.kind;
+  geometry.block_size = spec.block_size;
+  geometry.data_offset = data_offset;
+  geometry.masks_offset = masks_offset_for(spec);
+  geometry.nblocks = spec.nblocks;
+  auto mapping = std::make_shared<Mapping>(base, size, std::move(fd), name, true, geometry);
   mapping->register_holder();
   return mapping;
 }
 
-std::shared_ptr<Mapping> map_segment_fd(UniqueFd fd, uint64_t expected_id) {
+std::shared_ptr<Mapping> map_segment_fd(UniqueFd fd, uint64_t expected_id,
+                                        uint64_t expected_size) {
   std::string resource = "fd " + std::to_string(fd.get()) + " of segment " +
                          std::to_string(expected_id);
-  size_t size = fd_size(fd.get(), resource);
-  if (size < sizeof(SegmentHeader)) {
-    throw CorruptSegmentError("shared memory segment " + resource + " is truncated");
-  }
+  size_t size = checked_fd_size(fd.get(), resource, expected_size);
   char* base = map_fd(fd.get(), size, resource);
   fd.reset();  // a mapping does not need its fd: receivers hold none (Note [fd budget])
   std::shared_ptr<Mapping> mapping;
@@ -269,14 +412,18 @@ std::shared_ptr<Mapping> map_segment_fd(UniqueFd fd, uint64_t expected_id) {
   return mapping;
 }
 
-std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t expected_id) {
+std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t expected_id,
+                                            uint64_t expected_size) {
   std::string resource = "/dev/shm" + name;
-  UniqueFd fd(TMX_SYSCHECK(::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600), "shm_open",
-                           resource));
-  size_t size = fd_size(fd.get(), resource);
-  if (size < sizeof(SegmentHeader)) {
-    throw CorruptSegmentError("shared memory segment " + resource + " is truncated");
+  if (name.size() < 2 || name.size() >= NAME_CAPACITY || name[0] != '/' ||
+      name.find('/', 1) != std::string::npos || name.find('\0') != std::string::npos) {
+    throw std::invalid_argument(detail::str_cat(
+        "'", name, "' is not a shared-memory segment name (one '/' then up to ",
+        NAME_CAPACITY - 2, " characters, no other '/')"));
   }
+  UniqueFd fd(TMX_SYSCHECK(::shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0600),
+                           "shm_open", resource));
+  size_t size = checked_fd_size(fd.get(), resource, expected_size);
   char* base = map_fd(fd.get(), size, resource);
   fd.reset();
   std::shared_ptr<Mapping> mapping;

@@ -30,25 +30,57 @@ struct SegmentSpec {
 /// Bytes a segment of this spec occupies (header, slot table, page-aligned data).
 size_t segment_size_for(const SegmentSpec& spec, size_t* data_offset = nullptr);
 
+/// The geometry of a segment, copied out of its header once, when it is mapped and validated
+/// (Note [Geometry snapshot]).
+struct SegmentGeometry {
+  uint64_t id = 0;
+  SegmentKind kind = SegmentKind::Arena;
+  uint64_t block_size = 0;
+  uint64_t data_offset = 0;
+  uint64_t masks_offset = 0;  ///< 0: no HolderMask table
+  uint32_t nblocks = 0;
+};
+
+/// Note [Geometry snapshot]
+/// Every process that maps a segment can write its header, so a crashed, buggy or hostile peer
+/// can change `nblocks`, `block_size` or `data_offset` after this process validated them. The
+/// process-local Mapping therefore copies the geometry once, when it validates the header
+/// (every sum and product overflow-checked), and never re-reads it: every index is checked
+/// against the copy, every address computed from it, so a rewritten header cannot move this
+/// process's reads or writes outside its own mapping. Values that change at run time (the free
+/// stack, holder slots) are bounds-checked where they are read (CorruptSegmentError).
+
 /// One mapping of one segment in this process. Owns the mmap (and the fd, when kept).
 /// Not thread-safe by itself: the SegmentTable's mutex guards the mutable fields.
 class Mapping {
  public:
-  Mapping(char* base, size_t size, UniqueFd fd, std::string name, bool owned);
+  Mapping(char* base, size_t size, UniqueFd fd, std::string name, bool owned,
+          const SegmentGeometry& geometry);
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
   ~Mapping();
 
   SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
   BlockSlot* slots() const { return slots_of(header()); }
-  uint64_t id() const { return header()->segment_id; }
-  uint32_t nblocks() const { return header()->nblocks; }
-  uint64_t block_size() const { return header()->block_size; }
+  /// The HolderMask table (arena segments), nullptr if none.
+  HolderMask* masks() const {
+    if (geo_.masks_offset == 0) return nullptr;
+    return reinterpret_cast<HolderMask*>(base_ + geo_.masks_offset);
+  }
+  uint64_t id() const { return geo_.id; }
+  SegmentKind kind() const { return geo_.kind; }
+  uint32_t nblocks() const { return geo_.nblocks; }
+  uint64_t block_size() const { return geo_.block_size; }
   char* base() const { return base_; }
   size_t size() const { return size_; }
-  char* data_begin() const { return base_ + header()->data_offset; }
+  char* data_begin() const { return base_ + geo_.data_offset; }
   char* data_end() const { return data_begin() + block_size() * nblocks(); }
   char* block_data(uint32_t i) const { return data_begin() + block_size() * i; }
+  /// Pops a free block (the owner only), NO_BLOCK if none; CorruptSegmentError if the shared
+  /// free stack names a block outside this segment.
+  uint32_t pop_free();
+  /// "memfd segment <id>" or "/dev/shm/<name>": for error messages.
+  std::string describe() const;
   const std::string& name() const { return name_; }  ///< "" for anonymous segments
   bool named() const { return !name_.empty(); }
   int fd() const { return fd_.get(); }
@@ -70,6 +102,7 @@ class Mapping {
   size_t size_;
   UniqueFd fd_;
   std::string name_;
+  SegmentGeometry geo_;
 };
 
 /// Creates, sizes (posix_fallocate: a full /dev/shm fails here, never later with SIGBUS), maps
@@ -78,10 +111,13 @@ class Mapping {
 std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec);
 
 /// Maps a segment from a received fd and validates it; the fd is closed after mapping.
-std::shared_ptr<Mapping> map_segment_fd(UniqueFd fd, uint64_t expected_id);
+/// `expected_size` (0: unknown) is checked before anything is mapped.
+std::shared_ptr<Mapping> map_segment_fd(UniqueFd fd, uint64_t expected_id,
+                                        uint64_t expected_size = 0);
 
 /// Opens a named segment (file_system strategy) and validates it.
-std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t expected_id);
+std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t expected_id,
+                                            uint64_t expected_size = 0);
 
 /// shm_unlink that tolerates ENOENT (someone else won the race); true if this call removed it.
 bool unlink_name(const std::string& name);

@@ -88,6 +88,12 @@ class HolderSlot {
   /// true if this call won it; the caller then takes back what the slot stands for and
   /// calls end_reap().
   bool begin_reap(uint64_t home_ns, uint64_t reaper);
+  /// begin_reap for a word the caller already judged dead, outside any lock (a dead word never
+  /// lives again: it names the process's start time): true if this call won the slot.
+  bool begin_reap_judged(uint64_t dead_word, uint64_t reaper) noexcept {
+    return word_.compare_exchange_strong(dead_word, HOLDER_REAPING | reaper,
+                                         std::memory_order_seq_cst);
+  }
   /// Frees a slot this process was reaping.
   void end_reap(uint64_t reaper) noexcept;
 

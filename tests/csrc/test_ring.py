@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from torch_mp_ext import _C
-from torch_mp_ext.sharing import memory as _memory
 from torch_mp_ext.errors import CorruptSegmentError
+from torch_mp_ext.sharing import memory as _memory
 
 OK, EMPTY, FULL, TIMEOUT, CLOSED = (int(s) for s in (
     _C.Status.Ok, _C.Status.Empty, _C.Status.Full, _C.Status.Timeout, _C.Status.Closed))

@@ -37,8 +37,9 @@ from typing import Union
 import torch
 
 from .. import _C
-from ..errors import ChannelClosedError
+from ..errors import ChannelClosedError, CorruptSegmentError
 from ..sharing import memory as _memory
+from ..timeouts import seconds
 
 __all__ = ["StateDictChannel"]
 
@@ -207,6 +208,7 @@ class StateDictChannel:
             TimeoutError: nothing newer within ``timeout``.
             ChannelClosedError: the channel was closed and nothing newer is there.
         """
+        timeout = seconds(timeout)  # Note [Timeout values]
         status = self._channel.wait(newer_than, multiple_of, timeout)
         self._check(status, newer_than, timeout)
         found = self._channel.peek(newer_than, multiple_of)
@@ -245,6 +247,7 @@ class StateDictChannel:
                 version = self._channel.latest + 1
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise ValueError(f"version must be a non-negative integer, got {version!r}")
+            timeout = seconds(timeout)
             status, index, busy = self._channel.begin_write(version, timeout)
             if status != _OK:
                 self._check_write(status, version, busy, timeout)
@@ -320,6 +323,7 @@ class StateDictChannel:
                 spans.append((entry.offset, dst.data_ptr(), entry.nbytes))
             else:
                 slow.append((entry, dst))
+        timeout = seconds(timeout)
         deadline = _deadline(timeout)
         while True:
             status, index, slot, version, published_ns = self._channel.begin_read(
@@ -404,8 +408,31 @@ def _bump_versions(tensors: list[torch.Tensor]) -> None:
                 bump(t)
 
 
+def _check_entries(entries: object, buffer_bytes: object) -> None:
+    """A pickled channel's layout must describe tensors inside one buffer: every copy in and
+    out of the channel trusts it (a forged nbytes would copy past the caller's tensor)."""
+    if not isinstance(buffer_bytes, int) or not isinstance(entries, list):
+        raise CorruptSegmentError("a pickled StateDictChannel has no valid layout")
+    for e in entries:
+        ok = (isinstance(e, _Entry) and isinstance(e.dtype, torch.dtype)
+              and isinstance(e.shape, tuple)
+              and all(isinstance(d, int) and d >= 0 for d in e.shape)
+              and isinstance(e.offset, int) and isinstance(e.nbytes, int) and e.offset >= 0)
+        if ok:
+            numel = 1
+            for d in e.shape:
+                numel *= d
+            itemsize = torch.empty((), dtype=e.dtype).element_size()
+            ok = e.nbytes == numel * itemsize and e.offset + e.nbytes <= buffer_bytes
+        if not ok:
+            raise CorruptSegmentError(
+                f"a pickled StateDictChannel describes entry {e!r}, which is not a tensor "
+                f"inside its {buffer_bytes}-byte buffers: the pickle was forged or corrupted")
+
+
 def _rebuild(handle: tuple, nbuffers: int, buffer_bytes: int, entries: list[_Entry],
              name: str) -> StateDictChannel:
+    _check_entries(entries, buffer_bytes)
     self = StateDictChannel.__new__(StateDictChannel)
     self._setup(_C.LatestChannel(_C.attach(handle), nbuffers, buffer_bytes, False), entries, name)
     return self

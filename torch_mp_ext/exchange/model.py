@@ -43,6 +43,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ChannelClosedError
+from ..timeouts import seconds
 from .channel import StateDictChannel
 
 __all__ = ["Context", "ModelExchanger", "PeriodicalModelExchanger", "run_step"]
@@ -145,7 +146,7 @@ class _Receiver:
     _name: str
 
     def _timeout(self, timeout: Any) -> float | None:
-        return self.timeout if timeout is _DEFAULT else timeout
+        return seconds(self.timeout if timeout is _DEFAULT else timeout)  # Note [Timeout values]
 
     def _warn_timeout(self, newer_than: int, timeout: float | None) -> None:
         logger.warning(

@@ -35,6 +35,7 @@ from ..errors import (
     ProcessFailure,
     ProcessRaisedException,
 )
+from ..timeouts import seconds
 from . import exits as _exits
 from . import forkserver as _forkserver
 from .context import default_context
@@ -119,6 +120,7 @@ class ProcessContext:
         if len(self.sentinels) == 0:
             return True
         # Wait for any process to fail or all of them to succeed.
+        timeout = seconds(timeout, negative_ok=True)  # Note [Timeout values]
         ready = multiprocessing.connection.wait(self.sentinels.keys(), timeout=timeout)
         error_index = None
         for sentinel in ready:

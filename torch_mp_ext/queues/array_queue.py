@@ -39,12 +39,18 @@ import numpy as np
 import torch
 
 from .. import _C
+from ..errors import CorruptSegmentError
 from ..sharing import memory as _memory
+from ..timeouts import seconds
 from .ring_queue import Queue
 
 __all__ = ["ArrayQueue"]
 
 Array = Union[np.ndarray, torch.Tensor]
+
+
+#: Most arrays (pool blocks) one ArrayQueue holds.
+MAX_ARRAYS = 1 << 16
 
 
 def _describe(item: Array) -> Tuple[Tuple[int, ...], str]:
@@ -108,9 +114,10 @@ class ArrayQueue:
         else:
             raise TypeError("ArrayQueue(template, maxsize) takes a numpy array or a CPU tensor "
                             f"as its template, got {type(template).__qualname__}")
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
-            raise ValueError(f"maxsize must be a positive integer (the pool's blocks), got "
-                             f"{maxsize!r}: an ArrayQueue cannot be unbounded")
+        if (isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1
+                or maxsize > MAX_ARRAYS):
+            raise ValueError(f"maxsize must be an integer from 1 to {MAX_ARRAYS} (the pool's "
+                             f"blocks), got {maxsize!r}: an ArrayQueue cannot be unbounded")
         if nbytes == 0:
             raise ValueError(f"the template of shape {tuple(template.shape)} holds no bytes")
         self._shape, self._dtype_name = _describe(template)
@@ -221,7 +228,8 @@ class ArrayQueue:
             self._items.put((item,), block, timeout)
             return
         self._check(item)
-        end = None if timeout is None or not block else time.monotonic() + max(timeout, 0.0)
+        timeout = seconds(timeout, negative_ok=True)  # Note [Timeout values]
+        end = None if timeout is None or not block else time.monotonic() + timeout
         slot = self._own_slot(item)
         if slot is not None:
             index = slot.index
@@ -302,6 +310,31 @@ def _rebuild(meta: tuple, handles: List[tuple], free: Queue, items: Queue) -> Ar
     (self._shape, self._dtype_name, self._np_dtype, self._torch_dtype, self._nbytes,
      self._maxsize) = meta
     self._blocks = [_C.attach(h) for h in handles]
+    _check_meta(self)
     self._free, self._items = free, items
     self._setup()
     return self
+
+
+def _check_meta(q: ArrayQueue) -> None:
+    """A pickled ArrayQueue's layout must fit its blocks: its arrays view ``_nbytes`` bytes
+    at each block's address, so a forged size would read and write past the block."""
+    nbytes, shape = q._nbytes, q._shape
+    ok = (isinstance(nbytes, int) and nbytes > 0 and isinstance(shape, tuple)
+          and all(isinstance(d, int) and d >= 0 for d in shape)
+          and isinstance(q._maxsize, int) and q._maxsize == len(q._blocks)
+          and all(block.capacity >= nbytes for block in q._blocks))
+    if ok:
+        if q._torch_dtype is not None:
+            itemsize = torch.empty((), dtype=q._torch_dtype).element_size()
+        else:
+            itemsize = np.dtype(q._np_dtype).itemsize
+        numel = 1
+        for d in shape:
+            numel *= d
+        ok = numel * itemsize == nbytes
+    if not ok:
+        raise CorruptSegmentError(
+            f"a pickled ArrayQueue describes {q._maxsize!r} arrays of shape {shape!r} in "
+            f"{nbytes!r} bytes, which do not fit its {len(q._blocks)} blocks: the pickle was "
+            "forged or corrupted")

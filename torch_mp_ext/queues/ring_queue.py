@@ -58,12 +58,15 @@ from .. import _C
 from ..errors import QueueClosedError
 from ..sharing.pickling import TAG_BYTES, decode, dumps, loads, release_frame
 from ..sharing.strategy import get_all_sharing_strategies
+from ..timeouts import ring_seconds
 from .compat import SimpleQueueCompat
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES"]
 
 #: Bytes of pickled items a queue holds by default: its shared-memory footprint is this plus
 #: one page (memory reserved at creation, tensors and arrays not counted).
+#: Largest ring a queue can have (the core's MAX_RING_CAPACITY).
+MAX_QUEUE_BYTES = 2**31
 DEFAULT_MAX_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_BYTES", 4 * 1024 * 1024 - 4096))
 #: Busy-wait before a blocked get/put sleeps (Note [Why not pthread_cond_t]).
 SPIN_NS = int(os.environ.get("TORCH_MP_EXT_QUEUE_SPIN_NS", 50_000))
@@ -137,12 +140,10 @@ multiprocessing.util.register_after_fork(_register_exit_hook, lambda _: _registe
 
 def _timeout(block: bool, timeout: Optional[float]) -> float:
     """Seconds for the ring: negative waits for ever, 0 never waits (negative user timeouts
-    mean "do not wait", as in ``multiprocessing``)."""
+    mean "do not wait", as in ``multiprocessing``; Note [Timeout values] for inf and NaN)."""
     if not block:
         return 0.0
-    if timeout is None:
-        return -1.0
-    return max(float(timeout), 0.0)
+    return ring_seconds(timeout, negative_ok=True)
 
 
 def _rebuild(cls: Any, handle: tuple, maxsize: int) -> _RingQueue:
@@ -166,8 +167,12 @@ class _RingQueue:
     def __init__(self, maxsize: int = 0, *, max_bytes: Optional[int] = None,
                  ctx: Any = None) -> None:
         capacity = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 16:
-            raise ValueError(f"max_bytes must be an integer of at least 16, got {max_bytes!r}")
+        if (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 16
+                or capacity > MAX_QUEUE_BYTES):
+            raise ValueError(f"max_bytes must be an integer from 16 to {MAX_QUEUE_BYTES} (2 GiB), "
+                             f"got {max_bytes!r}")
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int):
+            raise TypeError(f"maxsize must be an integer, got {type(maxsize).__name__}")
         self._maxsize = maxsize if maxsize > 0 else 0
         block = _C.allocate(_C.Ring.footprint(capacity), _RING_NAMED)
         self._setup(_C.Ring.create(block, capacity, self._maxsize, self._joinable, SPIN_NS))
@@ -427,7 +432,7 @@ class JoinableQueue(Queue):
             True when no task is unfinished, False if ``timeout`` passed first.
         """
         self._check_closed()
-        status = self._ring.join(-1.0 if timeout is None else max(float(timeout), 0.0))
+        status = self._ring.join(ring_seconds(timeout, negative_ok=False))
         if status == _CLOSED:
             self._raise(status)
         return status == _OK

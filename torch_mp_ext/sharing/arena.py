@@ -40,6 +40,10 @@ _SizeArg = Union[int, Sequence[int], torch.Size]
 T = TypeVar("T")
 
 
+#: Largest block the arena hands out (the core's limit: 64 TiB).
+MAX_BLOCK_BYTES = 1 << 46
+
+
 def _parse_size(size: tuple) -> tuple[int, ...]:
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
@@ -49,6 +53,17 @@ def _parse_size(size: tuple) -> tuple[int, ...]:
             raise ValueError(f"sizes must be non-negative integers, got {size!r}")
         out.append(int(dim))
     return tuple(out)
+
+
+def _nbytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of an array of ``shape``, computed without wrapping (Python integers)."""
+    nbytes = itemsize
+    for dim in shape:
+        nbytes *= dim
+    if nbytes > MAX_BLOCK_BYTES:
+        raise ValueError(f"size {shape} of {itemsize}-byte elements is {nbytes} bytes, more "
+                         f"than the {MAX_BLOCK_BYTES} bytes a shared-memory block can hold")
+    return nbytes
 
 
 def empty(*size: _SizeArg, dtype: torch.dtype | None = None,
@@ -62,10 +77,9 @@ def empty(*size: _SizeArg, dtype: torch.dtype | None = None,
     """
     shape = _parse_size(size)
     dtype = dtype or torch.get_default_dtype()
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    nbytes = _nbytes(shape, torch.empty((), dtype=dtype).element_size())
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype, requires_grad=requires_grad)
     storage = _memory.storage_from_block(_memory.allocate(nbytes), 0, nbytes)
@@ -85,16 +99,21 @@ def empty_like(
     tensor: torch.Tensor, *, dtype: torch.dtype | None = None, requires_grad: bool = False
 ) -> torch.Tensor:
     """An uninitialised shared-memory tensor with ``tensor``'s shape (contiguous)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"empty_like() takes a tensor, got {type(tensor).__name__}")
     return empty(tensor.shape, dtype=dtype or tensor.dtype, requires_grad=requires_grad)
 
 
 def empty_array(shape: _SizeArg, dtype: Any = np.float64) -> np.ndarray:
     """An uninitialised numpy array in shared memory (like ``numpy.empty``)."""
     shape = _parse_size((shape,)) if not isinstance(shape, (int, np.integer)) else (int(shape),)
-    dtype = np.dtype(dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"dtype {dtype!r} is not a numpy dtype: {exc}") from None
     if dtype.hasobject:
         raise ValueError(f"arrays of dtype {dtype} hold Python objects and cannot be shared")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = _nbytes(shape, dtype.itemsize)
     if nbytes == 0:
         return np.empty(shape, dtype=dtype)
     return _memory.array_from_block(_memory.allocate(nbytes), 0, shape, dtype, None)

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import GetTimeoutError
 from ..sharing import pickling as _pickling
+from ..timeouts import seconds
 from .values import Value, Wire, discard
 
 __all__ = ["STATE", "Ref", "RefGenerator", "get", "wait"]
@@ -46,6 +47,7 @@ class Entry:
         self.pool = pool  # the TaskPool that fills it, while it is pending
 
     def wait(self, timeout: float | None) -> Value:
+        timeout = seconds(timeout)  # Note [Timeout values]
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with STATE:
@@ -160,7 +162,7 @@ class RefGenerator:
             Exception: a streaming task's exception, where it raised it.
         """
         if self._stream is not None:
-            return self._stream.next(timeout)
+            return self._stream.next(seconds(timeout))
         if not self._refs:
             raise StopIteration
         return self._refs.popleft()
@@ -178,7 +180,7 @@ class RefGenerator:
         worker died); returns False if ``timeout`` passed first."""
         if self._stream is None:
             return True
-        return self._stream.join(timeout)
+        return self._stream.join(seconds(timeout))
 
     def completed(self) -> bool:
         """True once the task has ended in its worker."""
@@ -229,6 +231,7 @@ def get(refs: Ref | Sequence[Ref], timeout: float | None = None) -> Any:
         return refs.get(timeout)
     if not isinstance(refs, (list, tuple)) or not all(isinstance(r, Ref) for r in refs):
         raise TypeError(f"get() takes a Ref or a list of Refs, got {type(refs).__name__}")
+    timeout = seconds(timeout)
     if timeout is None:
         return [r.get() for r in refs]
     deadline = time.monotonic() + timeout
@@ -252,6 +255,7 @@ def wait(refs: Sequence[Ref], num_returns: int = 1,
     if isinstance(num_returns, bool) or not 1 <= num_returns <= max(len(refs), 1):
         raise ValueError(f"num_returns must be between 1 and len(refs) = {len(refs)}, "
                          f"got {num_returns!r}")
+    timeout = seconds(timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
     with STATE:
         while True:

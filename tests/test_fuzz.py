@@ -1,0 +1,283 @@
+"""Hostile shared memory and handles never crash the interpreter (issue 13).
+
+A crashed, buggy or compromised peer can write anything into the shared segments and send any
+bytes as a handle. Hypothesis generates such inputs; a child process (tests/_fuzz_worker.py)
+applies them and calls the public API. It must answer every case with a Python exception or a
+result, never die by a signal (SIGSEGV, SIGBUS, SIGFPE, abort) and never hang.
+
+``TMX_FUZZ_EXAMPLES`` sets the examples per test (default 600, a few thousand in all in well
+under a minute); ``TMX_FUZZ_EXAMPLES=200000`` is the long, nightly-style run.
+
+Note [What the fuzzer leaves alone]
+The queue's lock is a glibc robust, process-shared pthread mutex, and glibc trusts its bytes:
+an owner field naming a thread that never existed makes every locker wait for ever (no
+robust-list entry will ever report its death). So ring mutations skip the 40 bytes of the
+mutex; everything else in the ring (capacity, offsets, state, journal, conditions, holders)
+is fair game. Named segments are not truncated while mapped either: any process of the same
+user can ftruncate a /dev/shm file, and the next access to the lost pages is a SIGBUS no
+check can prevent; file_descriptor-strategy (memfd) segments are sealed against it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torch_mp_ext import _C
+
+EXAMPLES = int(os.environ.get("TMX_FUZZ_EXAMPLES", "600"))
+CASE_TIMEOUT_S = 20.0
+ROOT = Path(__file__).resolve().parent.parent
+
+SEG_FIELDS = {name: (offset, size) for name, offset, size in _C.segment_layout()}
+RING_FIELDS = {name: (offset, size) for name, offset, size in _C.Ring.layout()}
+SLOTS_AT, SLOT_BYTES = SEG_FIELDS["slots"]
+SLOT_FIELDS = [(0, 8), (8, 4), (12, 4), (16, 8), (24, 8)]  # refcount next generation holder tag
+
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.function_scoped_fixture],
+                database=None)
+
+
+class Worker:
+    """The child that runs cases; restarted after it dies so that shrinking can go on."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+        env = dict(os.environ, PYTHONPATH=path, TORCH_MP_EXT_EXIT_LINGER_S="0")
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_fuzz_worker.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        assert self._read(1, 120.0) == b"R", "the fuzz worker did not start"
+
+    def _read(self, n: int, timeout: float) -> bytes:
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        out = b""
+        while len(out) < n:
+            ready, _, _ = select.select([fd], [], [], timeout)
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(fd, n - len(out))
+            if not chunk:
+                raise EOFError
+            out += chunk
+        return out
+
+    def run(self, case: dict) -> tuple[str, str, str]:
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        assert self.proc is not None and self.proc.stdin is not None
+        data = pickle.dumps(case)
+        self.proc.stdin.write(struct.pack("<I", len(data)) + data)
+        self.proc.stdin.flush()
+        try:
+            size = struct.unpack("<I", self._read(4, CASE_TIMEOUT_S))[0]
+            return pickle.loads(self._read(size, CASE_TIMEOUT_S))
+        except TimeoutError:
+            pid = self.proc.pid
+            self.proc.kill()  # a hung worker does not read its stdin's EOF
+            self.stop()
+            pytest.fail(f"the fuzz worker (pid {pid}) hung for {CASE_TIMEOUT_S} s on {case!r}")
+        except EOFError:
+            code = self.proc.wait(timeout=30)
+            self.proc = None
+            self._clean(None)
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            pytest.fail(f"the fuzz worker died ({how}) on {case!r}")
+
+    def _clean(self, pid: int | None) -> None:
+        prefix = "torch_fz" if pid is None else f"torch_fz{pid}_"
+        for entry in os.listdir("/dev/shm"):
+            if entry.startswith(prefix):
+                try:
+                    os.unlink("/dev/shm/" + entry)
+                except FileNotFoundError:
+                    pass
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        pid = self.proc.pid
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self.proc.stdout.close()  # type: ignore[union-attr]
+        self.proc = None
+        self._clean(pid)
+
+
+@pytest.fixture
+def worker() -> Any:
+    w = Worker()
+    yield w
+    w.stop()
+
+
+def check(worker: Worker, case: dict) -> None:
+    outcome, kind, message = worker.run(case)
+    assert outcome != "unexpected", f"{kind}: {message} on {case!r}"
+
+
+# ---- strategies ---------------------------------------------------------------------------
+
+INTERESTING = st.sampled_from(
+    [0, 1, 2, 7, 8, 15, 16, 63, 64, 4095, 4096, 65536, 2**31 - 1, 2**31, 2**32 - 2,
+     2**32 - 1, 2**32, 2**48, 2**63 - 1, 2**63, 2**64 - 1]) | st.integers(0, 2**64 - 1)
+
+
+def field_writes(fields: dict[str, tuple[int, int]], base: int = 0) -> st.SearchStrategy:
+    def one(item: tuple[str, tuple[int, int]]) -> st.SearchStrategy:
+        offset, size = item[1]
+        width = min(size, 8)
+        return st.tuples(st.integers(0, max(size // width - 1, 0)), INTERESTING).map(
+            lambda iv: (base + offset + iv[0] * width,
+                        (iv[1] % (1 << (8 * width))).to_bytes(width, "little")))
+    return st.sampled_from(sorted(fields.items())).flatmap(one)
+
+
+def slot_writes(nslots: int) -> st.SearchStrategy:
+    return st.tuples(st.integers(0, nslots - 1), st.sampled_from(SLOT_FIELDS), INTERESTING).map(
+        lambda t: (SLOTS_AT + t[0] * SLOT_BYTES + t[1][0],
+                   (t[2] % (1 << (8 * t[1][1]))).to_bytes(t[1][1], "little")))
+
+
+RAW_WRITES = st.tuples(st.integers(0, 16384), st.binary(min_size=1, max_size=16))
+HEADER_FIELDS = {k: v for k, v in SEG_FIELDS.items() if k not in ("slots", "name")}
+SEGMENT_WRITES = st.lists(
+    field_writes(HEADER_FIELDS) | slot_writes(1) | RAW_WRITES, min_size=0, max_size=4)
+
+HANDLE_OVERRIDES = st.dictionaries(
+    st.sampled_from([0, 1, 2, 3, 4, 5, 6, 7]),
+    st.one_of(st.booleans(), INTERESTING, st.integers(-2**63, 2**64 + 5),
+              st.sampled_from(["", "/", "//", "/a/b", "@", "@tmx-none", "/torch_missing",
+                               "x" * 200, "/\0", "/../../etc/passwd", "@" + "y" * 120]),
+              st.text(max_size=40), st.none(), st.binary(max_size=8)),
+    max_size=3)
+
+SIZES = st.lists(st.integers(-2, 2**62), min_size=0, max_size=3).map(tuple)
+REBUILD_ARGS = st.fixed_dictionaries({}, optional={
+    "offset": st.integers(-1, 2**63), "nbytes": st.integers(-1, 2**63) | st.integers(0, 8192),
+    "size": SIZES, "stride": SIZES, "storage_offset": st.integers(-1, 2**62),
+    "dtype": st.sampled_from([torch.uint8, torch.float64, torch.complex128, torch.bool]),
+    "np_dtype": st.sampled_from(["uint8", "float64", "V3", "O", "U2", "m8"]),
+    "strides": st.none() | SIZES,
+})
+
+SEGMENT_CASES = st.fixed_dictionaries({
+    "kind": st.just("segment"),
+    "writes": SEGMENT_WRITES,
+    "api": st.sampled_from(["tensor", "storage", "array", "pickle", "release"]),
+    "reclaim": st.booleans(),
+}, optional={"truncate": st.integers(0, 2**20), "handle": HANDLE_OVERRIDES,
+             "args": REBUILD_ARGS})
+
+HANDLE_CASES = st.fixed_dictionaries({
+    "kind": st.just("handle"), "writes": st.just([]),
+    "api": st.sampled_from(["tensor", "array", "release", "pickle"]),
+    "handle": HANDLE_OVERRIDES.filter(bool), "args": REBUILD_ARGS,
+})
+
+OWNED_FIELDS = {k: v for k, v in SEG_FIELDS.items()
+                if k in ("free_head", "live_blocks", "inflight", "flags", "holders", "nblocks",
+                         "block_size", "data_offset", "masks_offset", "total_size", "kind")}
+OWNED_CASES = st.fixed_dictionaries({
+    "kind": st.just("owned"),
+    "nbytes": st.sampled_from([64, 1000, 5000, 70000]),
+    "writes": st.lists(field_writes(OWNED_FIELDS) | slot_writes(4), min_size=1, max_size=4),
+    "reclaim": st.booleans(),
+})
+
+RING_HEADER = {k: v for k, v in RING_FIELDS.items() if k != "mutex"}
+RING_CASES = st.fixed_dictionaries({
+    "kind": st.just("ring"),
+    "cls": st.sampled_from(["Queue", "JoinableQueue"]),
+    "maxsize": st.integers(0, 4),
+    "max_bytes": st.sampled_from([16, 64, 256, 4096]),
+    "items": st.lists(st.sampled_from([b"", b"abc", 7, "x" * 100]), max_size=3),
+    "writes": st.lists(field_writes(RING_HEADER) | RAW_WRITES, min_size=1, max_size=4),
+    "reopen": st.booleans(),
+    "ops": st.lists(st.sampled_from(["get", "get_nowait", "put", "put_many", "get_many",
+                                     "qsize", "empty", "task_done", "join"]),
+                    min_size=1, max_size=5),
+})
+
+
+VALUE_NAMES = st.sampled_from([
+    "none", "true", "zero", "one", "neg", "big", "huge", "nan", "inf", "float", "str", "bytes",
+    "list", "neg_list", "huge_list", "wrap_list", "tuple", "empty_tuple", "object", "dtype_obj",
+    "np_obj", "np_f4", "torch_f4", "torch_c", "tensor", "meta", "noncontig", "array",
+    "obj_array", "struct", "dict", "bad_dict", "module", "zero_d"])
+CALL_CASES = st.fixed_dictionaries({
+    "kind": st.just("call"),
+    "func": st.sampled_from(["empty", "zeros", "empty_like", "empty_array", "zeros_array",
+                             "share_", "is_shared", "Queue", "JoinableQueue", "ArrayQueue",
+                             "StateDictChannel"]),
+    "args": st.lists(VALUE_NAMES, max_size=3),
+    "kwargs": st.dictionaries(st.sampled_from(["dtype", "maxsize", "max_bytes", "buffers",
+                                               "requires_grad", "shape"]),
+                              VALUE_NAMES, max_size=2),
+})
+
+
+# ---- the tests ----------------------------------------------------------------------------
+
+
+@FUZZ
+@given(case=SEGMENT_CASES)
+def test_fuzz_received_segments(worker: Worker, case: dict) -> None:
+    check(worker, case)
+
+
+@FUZZ
+@given(case=HANDLE_CASES)
+def test_fuzz_forged_handles(worker: Worker, case: dict) -> None:
+    check(worker, case)
+
+
+@FUZZ
+@given(case=OWNED_CASES)
+def test_fuzz_owned_segments(worker: Worker, case: dict) -> None:
+    check(worker, case)
+
+
+@FUZZ
+@given(case=RING_CASES)
+def test_fuzz_rings(worker: Worker, case: dict) -> None:
+    check(worker, case)
+
+
+def test_harness_reports_a_crash_and_a_hang(worker: Worker, monkeypatch: Any) -> None:
+    """The suite would see a crash: a worker killed by a signal, or hung, fails the test."""
+    with pytest.raises(pytest.fail.Exception, match="SIGSEGV"):
+        worker.run({"kind": "crash", "signal": signal.SIGSEGV})
+    monkeypatch.setattr(sys.modules[__name__], "CASE_TIMEOUT_S", 1.0)
+    with pytest.raises(pytest.fail.Exception, match="hung"):
+        worker.run({"kind": "hang"})
+    assert worker.run({"kind": "handle", "writes": [], "api": "release",
+                       "handle": {4: 5}})[0] in ("ok", "raised")
+
+
+@FUZZ
+@given(case=CALL_CASES)
+def test_fuzz_public_arguments(worker: Worker, case: dict) -> None:
+    check(worker, case)
