@@ -7,6 +7,17 @@
 // and without waiting for anything (try_lock, no wait for items or room): the common case
 // costs no GIL hand-off. Only when it would wait does it release the GIL and block, returning
 // every wait slice (or EINTR) to run Python's signal handlers, so Ctrl-C interrupts a get().
+//
+// Note [Ring holders are not block references]
+// A process holds at most one counted reference to any block, however many BlockRefs (queue
+// objects) it has on it (Note [Dead holders] in layout.h), and that reference is marked by
+// the process's bit in the block's holder mask. The ring's holder table counts queue objects
+// per process, to find the last holder. The two must never both drop a dead process's
+// reference: once dropped per queue object by the ring reaper (N objects: N drops for one
+// reference) and once more by the segment's reclaimer, a ring's block went back to the free
+// stack while live processes still used it, and the next queue created got the same ring:
+// two live queues delivering each other's items (issue 12). So a dead holder found by the
+// ring only triggers the segment's reclaim, which drops each dead process's bit exactly once.
 #include <pybind11/stl.h>
 
 #include <atomic>
@@ -263,10 +274,16 @@ class RingHandle {
       py::gil_scoped_release nogil;
       last = ring_.remove_holder(&reaped);
     }
-    // Dead holders could not drop their references to the ring's block: drop them here.
-    // Ours keeps the block alive meanwhile.
-    auto& ref = block_.cast<BlockRef&>();
-    for (uint32_t i = 0; i < reaped; ++i) decref_block(*ref.mapping(), ref.index());
+    // Note [Ring holders are not block references]: the ring's table only counts queue
+    // objects. What a dead holder process held of the ring's block is one counted reference
+    // marked by its bit in the segment's holder masks; reclaiming the segment drops it exactly
+    // once, here, now, instead of when the owner's pool runs dry. Ours keeps the block alive.
+    if (reaped > 0) {
+      auto& ref = block_.cast<BlockRef&>();
+      auto& registry = Registry::instance();
+      std::lock_guard<std::mutex> lock(registry.mutex());
+      registry.reclaim_locked(*ref.mapping());
+    }
     return last;
   }
 

@@ -51,18 +51,19 @@
 // Every queue object holding the ring, in any process, is counted in `holders`, by process
 // (pid << 32 | start time, so a recycled pid is another process): the creator, every copy a
 // pickle became (counted in `inflight` while the pickle travels) and every copy a fork
-// inherited. Each such object also holds one reference to the ring's block. When an object
-// lets go (remove_holder), the processes in the table that are dead are reaped: whatever
-// they held is handed back to the caller, which drops the block references they could not
-// drop themselves (a SIGKILLed or SIGTERMed worker: Pool.terminate(), a DataLoader worker
-// killed on timeout). The caller that finds no live holder left, nothing in flight, is the
-// last one: it drains the ring (Note [Queue lifetime] in queues.py). Table updates are made
-// under the mutex; a slot is published by its key, written last, so a death mid-update
-// leaves either a free slot or a holder that the next reaper judges. Holders in another pid
-// namespace are never judged dead; beyond the table's 128 processes they are only counted.
-// A holder in flight is never judged either: a pickle may be opened long after its sender
-// exited (a queue sent through a queue). So a pickle that is never opened (its receiver was
-// killed before unpickling it) keeps the ring until the segment's owner exits.
+// inherited. Each such object also holds a BlockRef on the ring's block, but the table counts
+// objects, not block references (Note [Ring holders are not block references] in
+// bind_queue.cpp). When an object lets go (remove_holder), the processes in the table that are
+// dead are reaped (a SIGKILLed or SIGTERMed worker: Pool.terminate(), a DataLoader worker
+// killed on timeout) and their count is returned, so that the caller reclaims what they held
+// of the block through the segment's holder masks. The caller that finds no live holder left,
+// nothing in flight, is the last one: it drains the ring (Note [Queue lifetime] in queues.py).
+// Table updates are made under the mutex; a slot is published by its key, written last, so a
+// death mid-update leaves either a free slot or a holder that the next reaper judges. Holders
+// in another pid namespace are never judged dead; beyond the table's 128 processes they are
+// only counted. A holder in flight is never judged either: a pickle may be opened long after
+// its sender exited (a queue sent through a queue). So a pickle that is never opened (its
+// receiver was killed before unpickling it) keeps the ring until the segment's owner exits.
 #pragma once
 
 #include <atomic>

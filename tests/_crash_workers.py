@@ -1,0 +1,58 @@
+"""Workers for tests/test_crash_consistency.py (module level: spawn and forkserver import them
+by name)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import torch
+
+
+def hold_queue_twice_then_sleep(q, ready):
+    """Holds q's ring through two queue objects (the inherited one and a copy), says so, and
+    waits to be killed."""
+    extra = pickle.loads(ForkingPickler.dumps(q))
+    ready.put(os.getpid())
+    time.sleep(60)
+    del extra
+
+
+def tagged(i):
+    """Item i of a stream that mixes tensors and arrays, each filled with i."""
+    if i % 2:
+        return ("tensor", i, torch.full((64,), float(i)))
+    return ("array", i, np.full((16384,), float(i)))
+
+
+def wrong(items, start=0):
+    """How many of `items` are not tagged(start), tagged(start + 1), ... exactly."""
+    bad = 0
+    for k, item in enumerate(items):
+        kind, i, x = item
+        want = torch.Tensor if kind == "tensor" else np.ndarray
+        ok = (i == start + k and isinstance(x, want) and x.shape[0] in (64, 16384)
+              and bool((x == float(i)).all()))
+        bad += not ok
+    return bad
+
+
+def tagged_values(n, start):
+    return [tagged(start + k) for k in range(n)]
+
+
+def signal_then_sleep(flag, seconds):
+    flag[0] = os.getpid()
+    time.sleep(seconds)
+
+
+def kill_self():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def identity(x):
+    return x

@@ -1,0 +1,93 @@
+"""Crash consistency (issue 12): any process may die at any instruction, and nothing else
+breaks. Real processes, real SIGKILLs; after each kill a fresh queue / pool in this process
+must deliver exactly what was sent.
+
+``TMX_KILL_LONG=1`` runs the long versions (more rounds, every start method and strategy)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import _crash_workers as cw
+import numpy as np
+import pytest
+
+import torch_mp_ext as mp
+from torch_mp_ext.errors import WorkerDiedError
+
+LONG = os.environ.get("TMX_KILL_LONG", "") not in ("", "0")
+T = 30.0  # seconds: the most any single wait may take
+
+
+@pytest.fixture
+def strategy(request):
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy(request.param)
+    yield request.param
+    mp.set_sharing_strategy(before)
+
+
+def wait_until(predicate, timeout=T):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+# ---- queue rings held by a dead process (Note [Ring holders are not block references]) ----
+
+
+def test_a_killed_holder_of_two_queue_objects_does_not_free_the_ring():
+    """A process holding one ring through two queue objects has one counted reference to its
+    block. Once, its death freed the ring under the live holders: the next queue created got
+    the same memory and the two queues delivered each other's items."""
+    ctx = mp.get_context("fork")
+    q, ready = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=cw.hold_queue_twice_then_sleep, args=(q, ready))
+    child.start()
+    assert ready.get(timeout=T) == child.pid
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(T)
+    pickle.loads(ForkingPickler.dumps(q)).close()  # a holder letting go reaps the dead one
+    fresh = mp.Queue()
+    fresh.put("fresh")
+    q.put("q")
+    assert q.get(timeout=T) == "q" and fresh.get(timeout=T) == "fresh"
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    assert mp._C.arena_stats()["refcount_underflows"] == 0
+    q.close(), ready.close(), fresh.close()
+
+
+# ---- TaskPool: workers killed and replaced, again and again --------------------------------
+
+POOL_CASES = [("fork", "file_descriptor", 20), ("forkserver", "file_system", 20),
+              ("forkserver", "file_descriptor", 20 if LONG else 5)]
+
+
+@pytest.mark.parametrize("start_method, strategy, rounds", POOL_CASES,
+                         indirect=["strategy"], ids=[f"{m}-{s}" for m, s, _ in POOL_CASES])
+def test_task_pool_keeps_running_tasks_through_kill_and_replace(start_method, strategy, rounds):
+    """Each round SIGKILLs a busy worker: its task fails naming the signal, the pool starts a
+    replacement, and tasks moving tensors and arrays both ways keep returning exact data."""
+    with mp.TaskPool(2, start_method=start_method) as pool:
+        for r in range(rounds):
+            flag = mp.zeros_array(1, np.int64)
+            doomed = pool.submit(cw.signal_then_sleep, flag, 60)
+            wait_until(lambda flag=flag: flag[0] != 0)
+            os.kill(int(flag[0]), signal.SIGKILL)
+            with pytest.raises(WorkerDiedError, match="SIGKILL"):
+                doomed.get(timeout=T)
+            refs = [pool.submit(cw.tagged_values, 3, 10 * k) for k in range(4)]
+            for k, values in enumerate(mp.get(refs, timeout=T)):
+                assert cw.wrong(values, 10 * k) == 0, (r, k, values)
+            sent = [cw.tagged(100 + k) for k in range(4)]
+            back = mp.get([pool.submit(cw.identity, x) for x in sent], timeout=T)
+            assert cw.wrong(back, 100) == 0, (r, back)
+            assert len(pool.pids) == 2
+        assert mp._C.arena_stats()["refcount_underflows"] == 0
