@@ -56,3 +56,15 @@ def kill_self():
 
 def identity(x):
     return x
+
+
+def die_in_doorbell(q, point, op):
+    """SIGKILLed at `point` of the doorbell protocol (_queue_compat.CRASH_*) in a put or get."""
+    from torch_mp_ext import _queue_compat
+
+    _queue_compat.crash_point = point
+    if op == "put":
+        q.put("from the dead")
+    else:
+        q.get()
+    os._exit(3)  # not reached: the crash point kills first

@@ -6,9 +6,11 @@ must deliver exactly what was sent.
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import pickle
 import queue
+import select
 import signal
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 
 import torch_mp_ext as mp
+from torch_mp_ext import _queue_compat as qc
 from torch_mp_ext.errors import WorkerDiedError
 
 LONG = os.environ.get("TMX_KILL_LONG", "") not in ("", "0")
@@ -91,3 +94,40 @@ def test_task_pool_keeps_running_tasks_through_kill_and_replace(start_method, st
             assert cw.wrong(back, 100) == 0, (r, back)
             assert len(pool.pids) == 2
         assert mp._C.arena_stats()["refcount_underflows"] == 0
+
+
+# ---- SimpleQueue's doorbell (Note [Doorbell]) ---------------------------------------------
+
+
+def _readable(fd, timeout):
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+@pytest.mark.parametrize("point, op", [(qc.CRASH_RING_NO_BYTE, "put"),
+                                       (qc.CRASH_GET_DRAINED, "get")],
+                         ids=["put-took-the-word", "get-drained-the-pipe"])
+def test_a_process_killed_inside_the_doorbell_protocol_never_wedges_wait(point, op):
+    """The killed process left an item queued, the doorbell word naming it, and no byte.
+    wait() on _reader (it asks for fileno() first) and any survivor's put repair that."""
+    ctx = mp.get_context("fork")
+    q = ctx.SimpleQueue()
+    if op == "get":
+        q.put("taken by the victim")
+        q.put("left for us")
+    victim = ctx.Process(target=cw.die_in_doorbell, args=(q, point, op))
+    victim.start()
+    victim.join(T)
+    assert victim.exitcode == -signal.SIGKILL
+    assert q._ring.qsize() == 1 and q._ring.doorbell_owner == victim.pid
+    assert not _readable(q._doorbell[0], 0)  # what wedged wait() before
+    assert multiprocessing.connection.wait([q._reader], timeout=T) == [q._reader]
+    assert q.get() in ("from the dead", "left for us")
+    assert not _readable(q._doorbell[0], 0)
+    # The same death with no wait() in between: the next put by a survivor rings.
+    victim = ctx.Process(target=cw.die_in_doorbell, args=(q, qc.CRASH_RING_NO_BYTE, "put"))
+    victim.start()
+    victim.join(T)
+    q.put("survivor")
+    assert _readable(q._doorbell[0], T)
+    assert [q.get(), q.get()] == ["from the dead", "survivor"]
+    q.close()

@@ -401,7 +401,10 @@ void init_queue(py::module_& m) {
           },
           "(items, bytes of frames, unfinished tasks), read together under the lock.")
       .def("doorbell_should_ring", [](RingHandle& r) { return r.ring().doorbell_should_ring(); })
-      .def("doorbell_clear", [](RingHandle& r) { r.ring().doorbell_clear(); })
+      .def("doorbell_claim", [](RingHandle& r) { r.ring().doorbell_claim(); })
+      .def("doorbell_release", [](RingHandle& r) { r.ring().doorbell_release(); })
+      .def_property_readonly("doorbell_owner",
+                             [](RingHandle& r) { return r.ring().doorbell_owner(); })
       .def_property_readonly("capacity", [](RingHandle& r) { return r.ring().capacity(); })
       .def_property_readonly("maxsize", [](RingHandle& r) { return r.ring().maxsize(); })
       .def_property_readonly("joinable", [](RingHandle& r) { return r.ring().joinable(); })

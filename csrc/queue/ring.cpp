@@ -4,6 +4,7 @@
 
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <new>
 
@@ -102,7 +103,6 @@ Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
   h->broken.store(0, std::memory_order_relaxed);
   h->journal_valid.store(0, std::memory_order_relaxed);
   h->doorbell.store(0, std::memory_order_relaxed);
-  h->reserved = 0;
   h->not_empty.init();
   h->not_full.init();
   h->all_done.init();
@@ -346,13 +346,35 @@ Ring::Counts Ring::counts() {
   return Counts{h_->state.count, h_->state.tail - h_->state.head, h_->state.unfinished};
 }
 
+namespace {
+/// Cheap on purpose (one syscall per put, Note [Doorbell]): a zombie or a recycled pid
+/// counts as alive, which only delays the repair until it is reaped.
+bool ringer_gone(uint64_t key) {
+  auto pid = static_cast<pid_t>(key >> 32);
+  return ::kill(pid, 0) != 0 && errno == ESRCH;
+}
+}  // namespace
+
 bool Ring::doorbell_should_ring() {
-  if (h_->doorbell.load(std::memory_order_seq_cst) != 0) return false;
-  h_->doorbell.store(1, std::memory_order_seq_cst);
-  return true;
+  uint64_t me = self_key();
+  uint64_t seen = h_->doorbell.load(std::memory_order_seq_cst);
+  for (;;) {
+    if (seen == me) return false;                   // we owe the byte already
+    if (seen != 0 && !ringer_gone(seen)) return false;  // a live process owes it
+    if (h_->doorbell.compare_exchange_weak(seen, me, std::memory_order_seq_cst)) return true;
+  }
 }
 
-void Ring::doorbell_clear() { h_->doorbell.store(0, std::memory_order_seq_cst); }
+void Ring::doorbell_claim() { h_->doorbell.store(self_key(), std::memory_order_seq_cst); }
+
+void Ring::doorbell_release() {
+  uint64_t me = self_key();
+  h_->doorbell.compare_exchange_strong(me, 0, std::memory_order_seq_cst);
+}
+
+uint64_t Ring::doorbell_owner() const {
+  return h_->doorbell.load(std::memory_order_seq_cst) >> 32;
+}
 
 uint64_t Ring::capacity() const { return h_->capacity; }
 uint64_t Ring::maxsize() const { return h_->maxsize; }
