@@ -72,7 +72,9 @@ void decref_block(Mapping& mapping, uint32_t index) {
 // ---- BlockRef --------------------------------------------------------------------------
 
 BlockRef::BlockRef(std::shared_ptr<Mapping> mapping, uint32_t index)
-    : mapping_(std::move(mapping)), index_(index) {}
+    : mapping_(std::move(mapping)),
+      index_(index),
+      adopted_generation_(mapping_->slots()[index].generation.load(std::memory_order_acquire)) {}
 
 BlockRef::~BlockRef() { release(); }
 
