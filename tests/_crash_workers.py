@@ -68,3 +68,14 @@ def die_in_doorbell(q, point, op):
     else:
         q.get()
     os._exit(3)  # not reached: the crash point kills first
+
+
+def make_tensors_then_die(n, ready):
+    """Creates n tensors in shared memory (never sent anywhere), says so, is SIGKILLed."""
+    import torch_mp_ext as mp
+
+    kept = [mp.empty(1000) for _ in range(n)]
+    kept += [mp.empty_array((10_000,), np.float64) for _ in range(n)]
+    ready.put(os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
+    del kept

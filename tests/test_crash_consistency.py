@@ -100,6 +100,7 @@ def test_a_killed_holder_of_two_queue_objects_does_not_free_the_ring():
 # ---- TaskPool: workers killed and replaced, again and again --------------------------------
 
 POOL_CASES = [("fork", "file_descriptor", 20), ("forkserver", "file_system", 20),
+              ("fork", "file_system", 20 if LONG else 5),
               ("forkserver", "file_descriptor", 20 if LONG else 5)]
 
 
@@ -162,3 +163,26 @@ def test_a_process_killed_inside_the_doorbell_protocol_never_wedges_wait(point, 
     assert [q.get(), q.get()] == ["from the dead", "survivor"]
     assert mp._C.audit() == []
     q.close()
+
+
+# ---- file_system names of dead processes (Note [Reclaiming names at run time]) -------------
+
+
+def _names_of(pid):
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{pid}_")]
+
+
+@pytest.mark.parametrize("strategy", ["file_system"], indirect=True)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_killed_childs_unsent_tensors_are_unlinked_once_it_is_joined(start_method, strategy):
+    ctx = mp.get_context(start_method)
+    ready = ctx.Queue()
+    child = ctx.Process(target=cw.make_tensors_then_die, args=(3, ready))
+    child.start()
+    pid = ready.get(timeout=T)
+    wait_until(lambda: child.exitcode is not None)
+    assert len(_names_of(pid)) == 6  # nobody else ever mapped them
+    child.join(T)  # the parent learns of the death: the names go, with the program running
+    assert _names_of(pid) == []
+    assert mp._C.audit() == []
+    ready.close()

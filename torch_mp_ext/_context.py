@@ -25,11 +25,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 from multiprocessing import context as _ctx
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from . import sharing
+from . import _memory, sharing
 
 __all__ = [
     "DefaultContext",
@@ -66,6 +66,13 @@ class _StrategyCarrier:
             super().start()  # type: ignore[misc]
         finally:
             _forking_our_child = False
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        super().join(timeout)  # type: ignore[misc]
+        code = self.exitcode  # type: ignore[attr-defined]
+        if code is not None and code != 0 and not getattr(self, "_tmx_reclaimed", False):
+            self._tmx_reclaimed = True
+            _memory.reclaim_after_death()
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

@@ -130,6 +130,15 @@ def numpy_in_blocks(enable: bool = True) -> bool:
     return True
 
 
+def reclaim_after_death() -> None:
+    """A child died without its exit path (a signal, ``os._exit``): what it held of named
+    segments goes now (Note [Reclaiming names at run time] in ``csrc/shm/reclaim_named.cpp``).
+    Anonymous segments need nothing here: they vanish with their last mapping, and blocks of
+    this process's pools come back when they run dry or on ``empty_cache()``."""
+    if _used_file_system or get_sharing_strategy() == "file_system":
+        _C.reclaim_named_segments()
+
+
 def _release_at_exit() -> None:
     _C.release_all()
     if _used_file_system:

@@ -113,6 +113,9 @@ class Registry {
   /// returns how many were dropped.
   size_t reclaim_dead_holders();
   size_t reclaim_locked(Mapping& mapping);
+  /// Note [Reclaiming names at run time]: drops dead processes' references to named
+  /// segments created by this process or by dead ones; returns the names reclaimed.
+  std::vector<std::string> reclaim_named(const std::string& prefix);
   RegistryStats stats();
   /// Note [Audit]: the invariants of every segment this process maps; one line per
   /// violation (empty: all hold). Meaningful while no other process changes them.
