@@ -70,7 +70,7 @@ class _StrategyCarrier:
     def join(self, timeout: Optional[float] = None) -> None:
         super().join(timeout)  # type: ignore[misc]
         code = self.exitcode  # type: ignore[attr-defined]
-        if code is not None and code != 0 and not getattr(self, "_tmx_reclaimed", False):
+        if code is not None and not getattr(self, "_tmx_reclaimed", False):
             self._tmx_reclaimed = True
             _memory.reclaim_after_death()
 

@@ -131,8 +131,10 @@ def numpy_in_blocks(enable: bool = True) -> bool:
 
 
 def reclaim_after_death() -> None:
-    """A child died without its exit path (a signal, ``os._exit``): what it held of named
-    segments goes now (Note [Reclaiming names at run time] in ``csrc/shm/reclaim_named.cpp``).
+    """A child was joined: what dead processes held of named segments goes now (Note
+    [Reclaiming names at run time] in ``csrc/shm/reclaim_named.cpp``). Even a child that
+    exited normally may have been the last live holder of a name whose other holders were
+    killed, and found its creator (or another exiting holder) still alive when it let go.
     Anonymous segments need nothing here: they vanish with their last mapping, and blocks of
     this process's pools come back when they run dry or on ``empty_cache()``."""
     if _used_file_system or get_sharing_strategy() == "file_system":

@@ -4,16 +4,12 @@
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
-#ifdef __linux__
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#endif
 
 #include <algorithm>
-#include <climits>
 #include <cstring>
 #include <new>
 
+#include "common/arith.h"
 #include "common/check.h"
 #include "common/errors.h"
 #include "platform/process.h"
@@ -23,19 +19,6 @@ namespace torch_mp_ext {
 namespace {
 
 constexpr uint64_t PAGE = 4096;  // buffer alignment: whole pages suit memcpy and huge pages
-
-uint64_t round_up(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
-
-uint64_t monotonic_ns() {
-  timespec ts;
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
-
-uint64_t self_pidns() {
-  static const uint64_t ns = pid_namespace_id();
-  return ns;
-}
 
 bool complete(uint64_t stamp) { return stamp != 0 && (stamp & STAMP_WRITING) == 0; }
 
@@ -64,13 +47,6 @@ void prefault(char* begin, uint64_t n) {
 
 }  // namespace
 
-bool holder_dead(uint64_t key, uint64_t pidns) {
-  if (key == 0) return false;
-  if (pidns != 0 && self_pidns() != 0 && pidns != self_pidns()) return false;  // not ours to judge
-  auto pid = static_cast<pid_t>(key >> 32);
-  return !process_alive(pid, static_cast<uint32_t>(key & 0xffffffffu));
-}
-
 uint64_t LatestChannel::required_bytes(uint32_t nbuffers, uint64_t buffer_bytes) {
   return round_up(sizeof(LatestHeader), PAGE) + nbuffers * round_up(buffer_bytes, PAGE);
 }
@@ -93,6 +69,7 @@ LatestChannel::LatestChannel(char* base, uint64_t capacity, uint32_t nbuffers,
     header_->buffer_stride = round_up(buffer_bytes, PAGE);
     header_->data_offset = round_up(sizeof(LatestHeader), PAGE);
     header_->total_bytes = need;
+    header_->pidns = self_pidns();
     std::atomic_thread_fence(std::memory_order_release);
     header_->magic = LATEST_MAGIC;
     prefault(base + header_->data_offset, need - header_->data_offset);
@@ -150,12 +127,11 @@ bool LatestChannel::try_claim(uint32_t index, bool judge_pins) {
     LatestReaderSlot& slot = header_->readers[s];
     if (slot.pinned.load(std::memory_order_seq_cst) != index + 1) continue;
     if (judge_pins) {
-      uint64_t key = slot.holder.load(std::memory_order_acquire);
-      if (holder_dead(key, slot.pidns.load(std::memory_order_relaxed)) &&
-          slot.holder.compare_exchange_strong(key, self_key())) {
-        // The slot is ours now (no reader can claim it meanwhile): unpin it and free it.
+      HolderTable table = readers();
+      if (slot.holder.begin_reap(table.home_ns(), table.self())) {
+        // A dead reader's slot is ours now (no reader can claim it meanwhile): unpin, free.
         slot.pinned.store(0, std::memory_order_seq_cst);
-        slot.holder.store(0, std::memory_order_release);
+        slot.holder.end_reap(table.self());
         continue;
       }
     }
@@ -170,21 +146,20 @@ LatestStatus LatestChannel::begin_write(uint64_t version, const Deadline& deadli
   TMX_CHECK_VALUE(version <= LATEST_MAX_VERSION, "version ", version, " is above the maximum ",
                   LATEST_MAX_VERSION);
   if (closed()) return LatestStatus::Closed;
-  const uint64_t me = self_key();
+  const uint64_t me = holder_word_of_self(header_->pidns);
   for (;;) {  // the writer word: free, or held by a process that died mid-publish
-    uint64_t cur = 0;
-    if (header_->writer.compare_exchange_strong(cur, me)) break;
-    if (cur != me && holder_dead(cur, header_->writer_pidns.load()) &&
-        header_->writer.compare_exchange_strong(cur, me)) {
-      break;
+    if (header_->writer.claim(me)) break;
+    if (header_->writer.begin_reap(header_->pidns, me)) {
+      header_->writer.end_reap(me);  // its buffer stays WRITING: picked first below
+      continue;
     }
+    uint64_t cur = header_->writer.key();
     if (cur == 0) continue;
     *busy_key = cur;
     return LatestStatus::WriterBusy;
   }
-  header_->writer_pidns.store(self_pidns());
   if (version + 1 <= header_->latest.load()) {
-    header_->writer.store(0);
+    header_->writer.release(me);
     return LatestStatus::Stale;
   }
   const uint32_t n = header_->nbuffers;
@@ -210,7 +185,7 @@ LatestStatus LatestChannel::begin_write(uint64_t version, const Deadline& deadli
       }
     }
     if (deadline.expired()) {
-      header_->writer.store(0);
+      header_->writer.release(me);
       return LatestStatus::Timeout;
     }
     pause_for(attempt);
@@ -221,22 +196,22 @@ void LatestChannel::commit(uint32_t index, uint64_t version) {
   TMX_CHECK(index < header_->nbuffers, "commit of buffer ", index);
   LatestBufferState& b = header_->buffers[index];
   TMX_CHECK(b.stamp.load() & STAMP_WRITING, "commit of buffer ", index, " not claimed");
-  b.published_ns.store(monotonic_ns(), std::memory_order_relaxed);
+  b.published_ns.store(static_cast<uint64_t>(monotonic_ns()), std::memory_order_relaxed);
   b.stamp.store(version + 1, std::memory_order_seq_cst);  // the flip
   header_->latest.store(version + 1, std::memory_order_seq_cst);
-  header_->writer.store(0, std::memory_order_seq_cst);
-  wake();
+  header_->writer.release(holder_word_of_self(header_->pidns));
+  header_->changed.notify_all();
 }
 
 void LatestChannel::abort(uint32_t index) {
   if (index < header_->nbuffers) header_->buffers[index].stamp.store(0);
-  header_->writer.store(0);
+  header_->writer.release(holder_word_of_self(header_->pidns));
 }
 
 void LatestChannel::copy_in(uint32_t index, const std::vector<CopySpan>& spans) {
   TMX_CHECK_VALUE(index < header_->nbuffers &&
                       (header_->buffers[index].stamp.load() & STAMP_WRITING) &&
-                      header_->writer.load() == self_key(),
+                      header_->writer.word() == holder_word_of_self(header_->pidns),
                   "copy_in: buffer ", index, " is not claimed by this process (begin_write)");
   char* dst = base_ + buffer_offset(index);
   for (const CopySpan& s : spans) {
@@ -248,27 +223,27 @@ void LatestChannel::copy_in(uint32_t index, const std::vector<CopySpan>& spans) 
 
 // ---- reader --------------------------------------------------------------------------------
 
+HolderTable LatestChannel::readers() const {
+  return HolderTable(header_->readers, LATEST_READER_SLOTS, &LatestReaderSlot::holder,
+                     header_->pidns);
+}
+
 bool LatestChannel::claim_slot(uint32_t* slot) {
-  const uint64_t me = self_key();
-  for (int pass = 0; pass < 2; ++pass) {
-    for (uint32_t s = 0; s < LATEST_READER_SLOTS; ++s) {
-      LatestReaderSlot& r = header_->readers[s];
-      uint64_t cur = r.holder.load(std::memory_order_relaxed);
-      bool take = cur == 0 || (pass == 1 && cur != me && holder_dead(cur, r.pidns.load()));
-      if (take && r.holder.compare_exchange_strong(cur, me)) {
-        r.pidns.store(self_pidns());
-        r.pinned.store(0, std::memory_order_seq_cst);
-        *slot = s;
-        return true;
-      }
-    }
+  HolderTable table = readers();
+  int s = table.claim();
+  if (s < 0) {  // every slot taken: free those of dead readers (unpin, then release)
+    table.reap([&](size_t i) { header_->readers[i].pinned.store(0, std::memory_order_seq_cst); });
+    s = table.claim();
   }
-  return false;
+  if (s < 0) return false;
+  header_->readers[s].pinned.store(0, std::memory_order_seq_cst);
+  *slot = static_cast<uint32_t>(s);
+  return true;
 }
 
 void LatestChannel::release_slot(uint32_t slot) {
   header_->readers[slot].pinned.store(0, std::memory_order_seq_cst);
-  header_->readers[slot].holder.store(0, std::memory_order_release);
+  header_->readers[slot].holder.release(readers().self());
 }
 
 LatestStatus LatestChannel::begin_read(int64_t newer_than, uint64_t multiple_of,
@@ -280,11 +255,11 @@ LatestStatus LatestChannel::begin_read(int64_t newer_than, uint64_t multiple_of,
   }
   LatestReaderSlot& r = header_->readers[slot];
   for (;;) {
-    uint32_t seen = header_->seq.load(std::memory_order_acquire);
+    uint32_t seen = header_->changed.snapshot();
     uint64_t stamp = 0;
     int b = select(newer_than, multiple_of, &stamp);
     if (b < 0) {
-      LatestStatus st = closed() ? LatestStatus::Closed : wait_seq(seen, deadline);
+      LatestStatus st = closed() ? LatestStatus::Closed : wait_changed(seen, deadline);
       if (st != LatestStatus::Ok) {
         release_slot(slot);
         return st;
@@ -325,11 +300,12 @@ void LatestChannel::copy_out(uint32_t index, const std::vector<CopySpan>& spans)
 LatestStatus LatestChannel::wait(int64_t newer_than, uint64_t multiple_of,
                                  const Deadline& deadline) {
   for (;;) {
-    uint32_t seen = header_->seq.load(std::memory_order_acquire);
+    uint32_t seen = header_->changed.snapshot();
     uint64_t stamp = 0;
     if (select(newer_than, multiple_of, &stamp) >= 0) return LatestStatus::Ok;
     if (closed()) return LatestStatus::Closed;
-    if (wait_seq(seen, deadline) == LatestStatus::Timeout) return LatestStatus::Timeout;
+    LatestStatus st = wait_changed(seen, deadline);
+    if (st != LatestStatus::Ok) return st;
   }
 }
 
@@ -354,7 +330,7 @@ int64_t LatestChannel::latest() const {
 
 void LatestChannel::close() {
   header_->closed.store(1, std::memory_order_seq_cst);
-  wake();
+  header_->changed.notify_all();
 }
 
 bool LatestChannel::closed() const {
@@ -363,30 +339,17 @@ bool LatestChannel::closed() const {
 
 // ---- waiting -------------------------------------------------------------------------------
 
-void LatestChannel::wake() {
-  header_->seq.fetch_add(1, std::memory_order_seq_cst);
-  if (header_->waiters.load(std::memory_order_seq_cst) == 0) return;
-#ifdef __linux__
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->seq), FUTEX_WAKE, INT_MAX,
-            nullptr, nullptr, 0);
-#endif
-}
-
-LatestStatus LatestChannel::wait_seq(uint32_t seen, const Deadline& deadline) {
-  if (deadline.expired()) return LatestStatus::Timeout;
-  header_->waiters.fetch_add(1, std::memory_order_seq_cst);
-#ifdef __linux__
-  // Not FUTEX_PRIVATE: the word is in memory shared between processes. WAIT_BITSET takes an
-  // absolute CLOCK_MONOTONIC deadline (Note [Monotonic time]); a changed word returns at once.
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->seq), FUTEX_WAIT_BITSET, seen,
-            deadline.infinite() ? nullptr : &deadline.when(), nullptr, FUTEX_BITSET_MATCH_ANY);
-#else
-  timespec ts{0, 1000000};
-  ::nanosleep(&ts, nullptr);
-#endif
-  header_->waiters.fetch_sub(1, std::memory_order_seq_cst);
-  if (header_->seq.load(std::memory_order_acquire) == seen && deadline.expired()) {
-    return LatestStatus::Timeout;
+LatestStatus LatestChannel::wait_changed(uint32_t seen, const Deadline& deadline) {
+  // `seen` was read before the predicate (the stamps), and every commit changes a stamp
+  // before it notifies: no lost wake-up (Note [Why not pthread_cond_t]). No spin: a reader
+  // waits for the learner's next step, milliseconds away.
+  switch (header_->changed.wait(seen, deadline, /*spin_ns=*/0)) {
+    case SharedCondition::Woke::Event:
+      return LatestStatus::Ok;
+    case SharedCondition::Woke::TimedOut:
+      return LatestStatus::Timeout;
+    case SharedCondition::Woke::Interrupted:
+      return LatestStatus::Interrupted;
   }
   return LatestStatus::Ok;
 }

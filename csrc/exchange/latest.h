@@ -5,10 +5,12 @@
 // the newest *complete* one when it starts its next step, never a mix of two. The channel is
 // one block of shared memory holding a header and K equal buffers (K >= 2, default 3):
 //
-//   offset 0        LatestHeader   magic, layout version, K, buffer size
+//   offset 0        LatestHeader   magic, layout version, K, buffer size, creator's pid
+//                                  namespace (home of the holder slots: writer, readers)
 //                                  writer   holder key of the process inside a publish (or 0)
 //                                  latest   newest committed version + 1 (0: none yet)
-//                                  seq      futex word, bumped by every commit and by close
+//                                  changed  futex condition, notified by every commit and by
+//                                           close (Note [Why not pthread_cond_t])
 //                                  stamps[K]     per buffer: 0 empty | version + 1 complete,
 //                                                | WRITING while the writer fills it
 //                                  published[K]  per buffer: CLOCK_MONOTONIC ns of its commit
@@ -18,9 +20,9 @@
 //   publish v:  claim the writer word -> pick a back buffer b (never the newest complete
 //               one) -> stamp[b] |= WRITING -> no live reader pins b? (else restore, try the
 //               next) -> copy -> published[b] = now -> stamp[b] = v + 1 (the flip: one atomic
-//               store) -> latest = v + 1 -> seq++ and wake waiters -> release the writer word
+//               store) -> latest = v + 1 -> notify `changed` -> release the writer word
 //   read:       claim a reader slot -> pick the newest complete stamp matching the query
-//               (version > newer_than and version % multiple_of == 0; none: futex-wait on seq)
+//               (version > newer_than and version % multiple_of == 0; none: wait on `changed`)
 //               -> pin b in the slot -> re-check stamp[b] (changed: unpin, pick again) ->
 //               copy -> unpin and free the slot
 //
@@ -36,8 +38,10 @@
 //   process is dead, takes the word over and reuses the buffer. A reader SIGKILLed mid-read
 //   leaves a pin: the writer only looks at pins' liveness when every back buffer is pinned,
 //   clears the dead one's slot and goes on. A reader killed while waiting leaves nothing.
-// - Keys are (pid << 32 | start time), so a recycled pid is not mistaken for the dead process;
-//   keys from another pid namespace are never judged dead (they are waited for instead).
+// - The writer word and the reader slots are holder-table slots (Note [Holder tables]): keys
+//   are (pid << 32 | start time), so a recycled pid is not mistaken for the dead process;
+//   holders from another pid namespace than the creator's are never judged dead (they are
+//   waited for instead). A dead reader's slot is reaped: its pin cleared, then the slot freed.
 // - Versions increase strictly (a commit of a version <= latest is refused), so "newer than v"
 //   is a plain comparison, on one host or across hosts, and never needs a clock.
 //
@@ -54,11 +58,14 @@
 #include <vector>
 
 #include "common/deadline.h"
+#include "sync/condition.h"
+#include "sync/holders.h"
 
 namespace torch_mp_ext {
 
 constexpr uint64_t LATEST_MAGIC = 0x3154534554414c54ULL;  // "TLATEST1" little-endian
-constexpr uint32_t LATEST_LAYOUT_VERSION = 1;
+/// 2: readers and writer are holder-table slots (Note [Holder tables]), home `pidns`.
+constexpr uint32_t LATEST_LAYOUT_VERSION = 2;
 /// Buffers per channel: 2 is double buffering; more lets slow readers hold old versions
 /// without ever making the writer wait.
 constexpr uint32_t LATEST_MAX_BUFFERS = 16;
@@ -74,8 +81,8 @@ struct alignas(64) LatestBufferState {
 };
 
 struct LatestReaderSlot {
-  std::atomic<uint64_t> holder;  ///< holder key of the reading process; 0: free
-  std::atomic<uint64_t> pidns;   ///< its pid namespace (foreign ones are never judged dead)
+  HolderSlot holder;             ///< the reading process (Note [Holder tables])
+  uint64_t reserved2;
   std::atomic<uint32_t> pinned;  ///< index + 1 of the buffer being read; 0: none
   uint32_t reserved0;
   uint64_t reserved1;
@@ -90,11 +97,11 @@ struct LatestHeader {
   uint64_t buffer_stride;
   uint64_t data_offset;
   uint64_t total_bytes;
-  alignas(64) std::atomic<uint64_t> writer;  ///< holder key inside begin_write..commit
-  std::atomic<uint64_t> writer_pidns;
+  uint64_t pidns;  ///< the creator's pid namespace: home of the holder tables below
+  alignas(64) HolderSlot writer;  ///< a one-slot holder table: the process inside a publish
+  uint64_t reserved;
   std::atomic<uint64_t> latest;  ///< newest committed version + 1; 0: none yet
-  std::atomic<uint32_t> seq;     ///< futex word
-  std::atomic<uint32_t> waiters;
+  SharedCondition changed;       ///< notified by every commit and by close (8 bytes)
   std::atomic<uint32_t> closed;
   LatestBufferState buffers[LATEST_MAX_BUFFERS];
   LatestReaderSlot readers[LATEST_READER_SLOTS];
@@ -102,7 +109,6 @@ struct LatestHeader {
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared atomics must be lock-free");
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics must be lock-free");
-static_assert(sizeof(std::atomic<uint32_t>) == 4, "the futex word must be 32 bits");
 
 enum class LatestStatus : int {
   Ok = 0,
@@ -110,6 +116,7 @@ enum class LatestStatus : int {
   Closed = 2,      ///< closed, and nothing newer will come
   Stale = 3,       ///< begin_write: the version is not above the latest one
   WriterBusy = 4,  ///< begin_write: another live process is publishing
+  Interrupted = 5, ///< a signal interrupted the wait: run signal handlers, then retry
 };
 
 /// A read in progress: which buffer is pinned, by which slot, holding which version.
@@ -180,14 +187,11 @@ class LatestChannel {
   bool try_claim(uint32_t index, bool judge_pins);
   bool claim_slot(uint32_t* slot);
   void release_slot(uint32_t slot);
-  void wake();
-  LatestStatus wait_seq(uint32_t seen, const Deadline& deadline);
+  HolderTable readers() const;
+  LatestStatus wait_changed(uint32_t seen, const Deadline& deadline);
 
   LatestHeader* header_;
   char* base_;
 };
-
-/// True when the process behind `key` (pid << 32 | start time) in `pidns` is known dead.
-bool holder_dead(uint64_t key, uint64_t pidns);
 
 }  // namespace torch_mp_ext

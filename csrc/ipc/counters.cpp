@@ -44,10 +44,11 @@ bool CounterFile::acquire(int64_t initial, uint64_t tag, uint32_t* slot,
   uint32_t index = free_pop(mapping_->header());
   if (index == NO_BLOCK) return false;
   BlockSlot& s = mapping_->slots()[index];
-  // Tag, holder and count first, the generation last (Note [Counter snapshots]).
-  s.tag.store(tag, std::memory_order_release);
-  s.holder.store(0, std::memory_order_release);
+  // Holder and count, then the tag, the generation last (Note [Counter snapshots]): a slot
+  // shows its tag only once it is counted.
+  s.holder.set(0);
   s.refcount.store(initial, std::memory_order_release);
+  s.tag.store(tag, std::memory_order_release);
   *generation = s.generation.fetch_add(1, std::memory_order_acq_rel) + 1;
   mapping_->header()->live_blocks.fetch_add(1, std::memory_order_acq_rel);
   *slot = index;
@@ -58,7 +59,7 @@ void CounterFile::recycle(uint32_t slot) {
   check_slot(slot);
   TMX_CHECK_VALUE(owner_, "only the process that created a counter file recycles its slots");
   mapping_->slots()[slot].tag.store(0, std::memory_order_release);
-  mapping_->slots()[slot].holder.store(0, std::memory_order_release);
+  mapping_->slots()[slot].holder.set(0);
   free_push(mapping_->header(), slot);
   mapping_->header()->live_blocks.fetch_sub(1, std::memory_order_acq_rel);
 }
@@ -85,27 +86,24 @@ uint64_t CounterFile::tag(uint32_t slot) const {
 
 void CounterFile::set_holder(uint32_t slot, uint64_t key) {
   check_slot(slot);
-  mapping_->slots()[slot].holder.store(key, std::memory_order_release);
+  mapping_->slots()[slot].holder.set(key);
 }
 
 uint64_t CounterFile::holder(uint32_t slot) const {
   check_slot(slot);
-  return mapping_->slots()[slot].holder.load(std::memory_order_acquire);
+  return mapping_->slots()[slot].holder.word();
 }
 
 bool CounterFile::holder_alive(uint32_t slot) const {
-  uint64_t key = holder(slot);
-  if (key == 0) return false;
-  return process_alive(static_cast<pid_t>(key >> 32), static_cast<uint32_t>(key));
+  check_slot(slot);
+  return mapping_->slots()[slot].holder.held_alive(mapping_->header()->pidns);
 }
 
 bool CounterFile::claim(uint32_t slot, uint32_t generation) {
   check_slot(slot);
   BlockSlot& s = mapping_->slots()[slot];
   if (s.generation.load(std::memory_order_acquire) != generation) return false;
-  if (mapping_->header()->pidns == pid_namespace_id()) {
-    s.holder.store(self_key(), std::memory_order_release);
-  }
+  if (mapping_->header()->pidns == self_pidns()) s.holder.set(self_key());
   return true;
 }
 
@@ -127,7 +125,7 @@ void read_slots(const BlockSlot* slots, uint32_t n, std::vector<SlotReading>* ou
     (*out)[i].generation = slots[i].generation.load(std::memory_order_seq_cst);
     (*out)[i].tag = slots[i].tag.load(std::memory_order_seq_cst);
     (*out)[i].count = slots[i].refcount.load(std::memory_order_seq_cst);
-    (*out)[i].holder = slots[i].holder.load(std::memory_order_seq_cst);
+    (*out)[i].holder = slots[i].holder.word();
   }
 }
 
@@ -149,22 +147,22 @@ CounterCollect CounterFile::collect(bool check_holders, int attempts) {
     first.swap(second);
   }
   if (!result.stable) return result;
-  std::vector<std::pair<uint64_t, bool>> alive_cache;  // few distinct holders: a flat list
-  auto holder_is_alive = [&](uint64_t key) {
-    for (const auto& [k, alive] : alive_cache) {
-      if (k == key) return alive;
+  const uint64_t home_ns = mapping_->header()->pidns;
+  std::vector<std::pair<uint64_t, bool>> dead_cache;  // few distinct holders: a flat list
+  auto holder_is_dead = [&](uint64_t word) {
+    for (const auto& [w, dead] : dead_cache) {
+      if (w == word) return dead;
     }
-    bool alive = process_alive(static_cast<pid_t>(key >> 32), static_cast<uint32_t>(key));
-    alive_cache.emplace_back(key, alive);
-    return alive;
+    bool dead = holder_word_dead(word, home_ns);  // Note [Holder tables]
+    dead_cache.emplace_back(word, dead);
+    return dead;
   };
-  const bool same_namespace = mapping_->header()->pidns == pid_namespace_id();
   std::vector<uint64_t> live_tags, recycled_tags;
   for (uint32_t i = 0; i < n; ++i) {
     const SlotReading& r = second[i];
     if (r.tag == 0) continue;  // free, or untagged (not ours to judge)
     if (r.count > 0) {
-      if (!(check_holders && same_namespace && r.holder != 0 && !holder_is_alive(r.holder))) {
+      if (!(check_holders && holder_is_dead(r.holder))) {
         live_tags.push_back(r.tag);
         continue;
       }
@@ -194,7 +192,7 @@ std::vector<std::tuple<uint32_t, uint64_t, int64_t, uint64_t>> CounterFile::coun
     uint64_t tag = slots[i].tag.load(std::memory_order_acquire);
     int64_t count = slots[i].refcount.load(std::memory_order_acquire);
     if (tag != 0 && count > 0) {
-      out.emplace_back(i, tag, count, slots[i].holder.load(std::memory_order_acquire));
+      out.emplace_back(i, tag, count, slots[i].holder.word());
     }
   }
   return out;

@@ -8,22 +8,29 @@
 // slot (the free list is a tagged Treiber stack, safe for many poppers): the lender for each
 // send, and a receiver forwarding what it received (a new slot in the *original* lender's
 // file, with the same tag). The receiver claims the slot (records itself as holder), and
-// decrements it when its storage dies. Unlike arena blocks, a slot reaching zero is not freed
-// by whoever got it there: only the owner recycles slots, in collect(), so a slot is never
-// reused while its old count still means something (generations catch stale handles).
+// decrements it when its storage dies. The holder field is a holder-table slot (Note [Holder
+// tables]) that comes with the counter slot instead of being claimed from a free pool; only
+// the owner judges it, and reaps it in collect() by recycling the counter slot. Unlike arena
+// blocks, a slot reaching zero is not freed by whoever got it there: only the owner recycles
+// slots, in collect(), so a slot is never reused while its old count still means something
+// (generations catch stale handles).
 //
 // Note [Counter snapshots]
 // collect() answers "which tags are still referenced?" for the owner. Reading the slots one
 // by one is not a snapshot: a forwarder may tag a new slot the scan already passed and then
 // release its old slot before the scan reaches it, and the tag would look dead. So collect()
 // reads every slot twice and trusts the reading only if both passes agree on every field.
-// Within one generation each field changes at most monotonically (tag and holder are set
-// once, the count only decreases) and a new generation bumps `generation`, so two equal
-// readings mean every slot held those values at the instant between the passes: a true
-// snapshot. A tag is dead if no slot carrying it is still counted; a dead tag stays dead,
-// because only a process holding a live slot of a tag may acquire another one for it. If the
-// passes keep disagreeing (heavy churn), collect() reports `stable = false` and recycles
-// nothing; the caller tries again later.
+// Between two recycles each field changes at most once or monotonically (tag, holder and the
+// initial count are set once, then the count only decreases) and acquiring bumps
+// `generation`, so two equal readings mean every slot held those values at the instant
+// between the passes: a true snapshot. A slot being acquired gets its count before its tag
+// (the generation last): were the tag first, a snapshot taken in between would see a tagged
+// slot with a count of 0, take it for released and recycle it under its acquirer, which would
+// then share it with the next one (and a tag would be reported dead while referenced). A tag
+// is dead if no slot carrying it is still counted; a dead tag stays dead, because only a
+// process holding a live slot of a tag may acquire another one for it. If the passes keep
+// disagreeing (heavy churn), collect() reports `stable = false` and recycles nothing; the
+// caller tries again later.
 #pragma once
 
 #include <cstdint>

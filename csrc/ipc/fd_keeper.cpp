@@ -13,17 +13,13 @@
 #include <cerrno>
 #include <cstring>
 
+#include "common/deadline.h"
+
 namespace torch_mp_ext {
 
 namespace {
 
 constexpr int POLL_MS = 50;
-
-double now_seconds() {
-  timespec ts;
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
-}
 
 bool any_inflight(const KeptSegment* segments, size_t n) {
   for (size_t i = 0; i < n; ++i) {
@@ -114,8 +110,8 @@ void answer(int conn, const KeptSegment* segments, size_t n) {
   ::prctl(PR_SET_NAME, "tmx-keeper", 0, 0, 0);
   ::setsid();  // out of the terminal's process group: a Ctrl-C aimed at the job is not ours
   close_others(listen_fd, segments, n);
-  double deadline = now_seconds() + seconds;
-  while (any_inflight(segments, n) && now_seconds() < deadline) {
+  const Deadline deadline(seconds > 0 ? seconds : 0.0);
+  while (any_inflight(segments, n) && !deadline.expired()) {
     pollfd pfd{listen_fd, POLLIN, 0};
     int ready = ::poll(&pfd, 1, POLL_MS);
     if (ready <= 0) continue;

@@ -19,31 +19,35 @@ namespace torch_mp_ext {
 
 namespace {
 
-/// State letter (field 3) and start time (field 22) of /proc/<pid>/stat; false if unreadable.
-bool read_stat(pid_t pid, char* state, uint64_t* start_time) {
+enum class Stat { Ok, Gone, Unknown };
+
+/// State letter (field 3) and start time (field 22) of /proc/<pid>/stat. Gone: no such
+/// process; Unknown: /proc could not be read for another reason (not mounted, no permission).
+Stat read_stat(pid_t pid, char* state, uint64_t* start_time) {
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
   UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) return false;
+  if (!fd.valid()) return errno == ENOENT || errno == ESRCH ? Stat::Gone : Stat::Unknown;
   char buf[1024];
   ssize_t n;
   do {
     n = ::read(fd.get(), buf, sizeof(buf) - 1);
   } while (n < 0 && errno == EINTR);
-  if (n <= 0) return false;
+  if (n == 0 || (n < 0 && errno == ESRCH)) return Stat::Gone;  // exited after the open
+  if (n < 0) return Stat::Unknown;
   buf[n] = '\0';
   // The command name (field 2) may contain spaces and ')': fields restart after the last ')'.
   char* p = std::strrchr(buf, ')');
-  if (p == nullptr || p[1] == '\0') return false;
+  if (p == nullptr || p[1] == '\0') return Stat::Unknown;
   p += 2;  // field 3 (state)
   *state = *p;
   for (int field = 3; field < 22 && *p; ++field) {
     p = std::strchr(p, ' ');
-    if (p == nullptr) return false;
+    if (p == nullptr) return Stat::Unknown;
     ++p;
   }
   *start_time = std::strtoull(p, nullptr, 10);
-  return true;
+  return Stat::Ok;
 }
 
 }  // namespace
@@ -51,7 +55,7 @@ bool read_stat(pid_t pid, char* state, uint64_t* start_time) {
 uint64_t process_start_time(pid_t pid) {
   char state = 0;
   uint64_t start = 0;
-  return read_stat(pid, &state, &start) ? start : 0;
+  return read_stat(pid, &state, &start) == Stat::Ok ? start : 0;
 }
 
 bool process_alive(pid_t pid, uint32_t start_time_low32) {
@@ -59,9 +63,25 @@ bool process_alive(pid_t pid, uint32_t start_time_low32) {
   if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
   char state = 0;
   uint64_t start = 0;
-  if (!read_stat(pid, &state, &start)) return false;  // vanished meanwhile
-  if (state == 'Z' || state == 'X') return false;     // exited, not yet reaped: holds nothing
+  switch (read_stat(pid, &state, &start)) {
+    case Stat::Gone:
+      return false;  // exited between kill() and the read
+    case Stat::Unknown:
+      return true;  // it exists (kill said so) and nothing more can be told: not dead
+    case Stat::Ok:
+      break;
+  }
+  if (state == 'Z' || state == 'X') return false;  // exited, not yet reaped: holds nothing
   return start_time_low32 == 0 || static_cast<uint32_t>(start) == start_time_low32;
+}
+
+bool key_alive(uint64_t key) {
+  return process_alive(key_pid(key), static_cast<uint32_t>(key & 0xffffffffu));
+}
+
+uint64_t process_key(pid_t pid, uint64_t start_time) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(pid)) << 32) |
+         static_cast<uint32_t>(start_time);
 }
 
 uint64_t pid_namespace_id() {
@@ -77,8 +97,7 @@ uint64_t g_key = 0;
 
 void refresh_self_after_fork() {
   g_pid = ::getpid();
-  g_key = (static_cast<uint64_t>(static_cast<uint32_t>(g_pid)) << 32) |
-          static_cast<uint32_t>(process_start_time(g_pid));
+  g_key = process_key(g_pid, process_start_time(g_pid));
 }
 
 pid_t self_pid() {
@@ -108,6 +127,11 @@ void set_pdeathsig(int sig) {
   TMX_CHECK_VALUE(sig >= 0 && sig < 65, "set_pdeathsig: invalid signal number ", sig);
   TMX_SYSCHECK(::prctl(PR_SET_PDEATHSIG, static_cast<unsigned long>(sig)), "prctl",
                "PR_SET_PDEATHSIG");
+}
+
+uint64_t self_pidns() {
+  static const uint64_t ns = pid_namespace_id();  // fork keeps the namespace
+  return ns;
 }
 
 size_t page_size() {

@@ -1,10 +1,10 @@
 // The latest-value channel (Note [Latest-value channel] in exchange/latest.h).
 #include <pybind11/stl.h>
-#include <time.h>
 
 #include <algorithm>
 
 #include "exchange/latest.h"
+#include "platform/process.h"
 #include "python/bindings.h"
 #include "shm/registry.h"
 
@@ -24,29 +24,16 @@ struct PyLatestChannel {
   LatestChannel channel;
 };
 
-double seconds_left(const Deadline& d) {
-  timespec now;
-  ::clock_gettime(CLOCK_MONOTONIC, &now);
-  return static_cast<double>(d.when().tv_sec - now.tv_sec) +
-         static_cast<double>(d.when().tv_nsec - now.tv_nsec) * 1e-9;
-}
-
-/// Runs `step(slice_deadline)` without the GIL until it stops answering Timeout or the
-/// overall deadline passes; checks for signals between slices.
+/// Runs `step(slice_deadline)` without the GIL until it answers something else than a
+/// signal or the end of a slice before the overall deadline (Note [Waiting without the GIL]).
 template <typename Step>
 LatestStatus sliced(const py::object& timeout, Step step) {
   Deadline overall(timeout.is_none() ? -1.0 : std::max(0.0, timeout.cast<double>()));
-  for (;;) {
-    double slice = overall.infinite() ? WAIT_SLICE_S
-                                      : std::clamp(seconds_left(overall), 0.0, WAIT_SLICE_S);
-    LatestStatus st;
-    {
-      py::gil_scoped_release nogil;
-      st = step(Deadline(slice));
-    }
-    if (st != LatestStatus::Timeout || overall.expired()) return st;
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-  }
+  return wait_without_gil([&] { return step(overall.slice(WAIT_SLICE_S)); },
+                          [&](LatestStatus st) {
+                            return st == LatestStatus::Interrupted ||
+                                   (st == LatestStatus::Timeout && !overall.expired());
+                          });
 }
 
 std::vector<CopySpan> to_spans(const std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>& in) {
@@ -164,15 +151,16 @@ void init_exchange(py::module_& m) {
             py::list stamps, readers;
             for (uint32_t i = 0; i < h.nbuffers; ++i) stamps.append(h.buffers[i].stamp.load());
             for (uint32_t s = 0; s < LATEST_READER_SLOTS; ++s) {
-              uint64_t key = h.readers[s].holder.load();
-              if (key != 0) readers.append(py::make_tuple(key >> 32, h.readers[s].pinned.load()));
+              uint64_t key = h.readers[s].holder.key();
+              if (key == 0) continue;
+              readers.append(py::make_tuple(key_pid(key), h.readers[s].pinned.load()));
             }
             py::dict d;
             d["latest"] = c.channel.latest();
-            d["writer_pid"] = h.writer.load() >> 32;
+            d["writer_pid"] = key_pid(h.writer.key());
             d["stamps"] = stamps;
             d["readers"] = readers;
-            d["waiters"] = h.waiters.load();
+            d["waiters"] = h.changed.waiters();
             d["closed"] = c.channel.closed();
             return d;
           },

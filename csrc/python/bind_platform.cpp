@@ -23,7 +23,6 @@ void init_platform(py::module_& m) {
   m.def("holder_key", &self_key,
         R"pbdoc(This process's identity: pid << 32 | low 32 bits of its start time.)pbdoc");
   m.def("fd_limit", &fd_limit, R"pbdoc(The RLIMIT_NOFILE soft limit.)pbdoc");
-  m.def("page_size", &page_size);
 }
 
 }  // namespace torch_mp_ext::python

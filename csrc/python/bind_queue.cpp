@@ -6,7 +6,8 @@
 // while taking the mutex cannot deadlock. Each operation first tries once with the GIL held
 // and without waiting for anything (try_lock, no wait for items or room): the common case
 // costs no GIL hand-off. Only when it would wait does it release the GIL and block, returning
-// every wait slice (or EINTR) to run Python's signal handlers, so Ctrl-C interrupts a get().
+// every wait slice (or EINTR) to run Python's signal handlers, so Ctrl-C interrupts a get()
+// (Note [Waiting without the GIL] in bindings.h).
 //
 // Note [Ring holders are not block references]
 // A process holds at most one counted reference to any block, however many BlockRefs (queue
@@ -94,19 +95,13 @@ class BytesView {
   size_t size_ = 0;
 };
 
-/// Runs a blocking ring operation without the GIL, running signal handlers between slices.
+/// Runs a blocking ring operation without the GIL; the ring answers Interrupted at each
+/// slice's end and on EINTR (Note [Waiting without the GIL]).
 template <typename Op>
 Status blocking(double timeout, Op&& op) {
   Deadline deadline(timeout);
-  for (;;) {
-    Status s;
-    {
-      py::gil_scoped_release nogil;
-      s = op(deadline);
-    }
-    if (s != Status::Interrupted) return s;
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-  }
+  return wait_without_gil([&] { return op(deadline); },
+                          [](Status s) { return s == Status::Interrupted; });
 }
 
 /// One queue object's hold on a ring: the block (which keeps the memory mapped), the view,

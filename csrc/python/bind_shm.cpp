@@ -134,8 +134,6 @@ survivors do, and report any a dead process still holds.)pbdoc");
         many (Note [Dead holders]).)pbdoc");
   m.def("empty_cache", [] { return Arena::instance().empty_cache(); },
         R"pbdoc(Retires every owned segment with no live block; returns bytes released.)pbdoc");
-  m.def("set_cache_limit", [](size_t bytes) { Arena::instance().set_cache_limit(bytes); },
-        py::arg("nbytes"));
   m.def("class_size", &Arena::class_size, py::arg("nbytes"));
   m.def("arena_stats", [] {
     ArenaStats a = Arena::instance().stats();

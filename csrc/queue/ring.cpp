@@ -98,7 +98,11 @@ Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
   h->pidns = pid_namespace_id();
   h->inflight.store(0, std::memory_order_relaxed);
   h->untracked.store(0, std::memory_order_relaxed);
-  for (RingHolder& holder : h->holders) holder = RingHolder{0, 0, 0};
+  for (RingHolder& holder : h->holders) {
+    holder.key.clear();
+    holder.refs = 0;
+    holder.reserved = 0;
+  }
   h->recoveries.store(0, std::memory_order_relaxed);
   h->broken.store(0, std::memory_order_relaxed);
   h->journal_valid.store(0, std::memory_order_relaxed);
@@ -347,12 +351,11 @@ Ring::Counts Ring::counts() {
 }
 
 namespace {
-/// Cheap on purpose (one syscall per put, Note [Doorbell]): a zombie or a recycled pid
-/// counts as alive, which only delays the repair until it is reaped.
-bool ringer_gone(uint64_t key) {
-  auto pid = static_cast<pid_t>(key >> 32);
-  return ::kill(pid, 0) != 0 && errno == ESRCH;
-}
+/// Not process_alive() on purpose: this runs on every put that finds another process's key,
+/// so it costs one syscall, not a /proc read. Either answer is safe (Note [Doorbell]): a
+/// zombie, a recycled pid or another namespace's pid counted alive only delays the repair;
+/// one counted dead only costs a spare byte in the pipe.
+bool ringer_gone(uint64_t key) { return ::kill(key_pid(key), 0) != 0 && errno == ESRCH; }
 }  // namespace
 
 bool Ring::doorbell_should_ring() {

@@ -58,12 +58,15 @@
 // killed on timeout) and their count is returned, so that the caller reclaims what they held
 // of the block through the segment's holder masks. The caller that finds no live holder left,
 // nothing in flight, is the last one: it drains the ring (Note [Queue lifetime] in queues.py).
-// Table updates are made under the mutex; a slot is published by its key, written last, so a
-// death mid-update leaves either a free slot or a holder that the next reaper judges. Holders
-// in another pid namespace are never judged dead; beyond the table's 128 processes they are
-// only counted. A holder in flight is never judged either: a pickle may be opened long after
-// its sender exited (a queue sent through a queue). So a pickle that is never opened (its
-// receiver was killed before unpickling it) keeps the ring until the segment's owner exits.
+// The table is a holder table (Note [Holder tables]) whose slots carry `refs`; it is only
+// changed under the mutex. A slot's refs are written before its key is claimed and zeroed
+// before it is released or reaped, so a death mid-update leaves either a free slot or a
+// holder that the next reaper judges. Holders in another pid namespace than the ring's
+// creator are never judged dead; beyond the table's 128 processes they are only counted
+// (`untracked`).
+// A holder in flight is never judged either: a pickle may be opened long after its sender
+// exited (a queue sent through a queue). So a pickle that is never opened (its receiver was
+// killed before unpickling it) keeps the ring until the segment's owner exits.
 //
 // Note [Doorbell]
 // SimpleQueue's wake-up pipe (Note [SimpleQueue internals that the standard library uses] in
@@ -97,7 +100,9 @@
 namespace torch_mp_ext {
 
 constexpr uint64_t RING_MAGIC = 0x31474e4952584d54ULL;  // "TMXRING1" little-endian
-constexpr uint32_t RING_VERSION = 2;  // 2: the doorbell word names its ringer
+/// 2: holder keys carry the flags of Note [Holder tables]; 3: the doorbell word names its
+/// ringer (Note [Doorbell]).
+constexpr uint32_t RING_VERSION = 3;
 constexpr uint32_t RING_JOINABLE = 1u << 0;
 /// Frame header bytes: uint32 payload size + uint32 tag.
 constexpr uint64_t FRAME_HEADER = 8;

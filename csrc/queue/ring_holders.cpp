@@ -1,85 +1,52 @@
 // Who holds a ring, and reclaiming what dead holders held (Note [Ring holders]).
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
-
 #include "platform/process.h"
 #include "queue/ring_internal.h"
 
 namespace torch_mp_ext {
 
-bool holder_alive(uint64_t key) {
-  auto pid = static_cast<pid_t>(key >> 32);
-  if (!process_alive(pid, static_cast<uint32_t>(key))) return false;
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
-  int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno != ENOENT;  // cannot tell (no /proc?): assume alive
-  char buf[512];
-  ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
-  ::close(fd);
-  if (n <= 0) return true;
-  buf[n] = '\0';
-  const char* paren = std::strrchr(buf, ')');  // the command name may contain anything
-  return paren == nullptr || paren[1] != ' ' || paren[2] != 'Z';
-}
-
-// ---- holders (Note [Ring holders]) --------------------------------------------------------
+// ---- holders (Note [Ring holders], Note [Holder tables]) ----------------------------------
 
 void Ring::add_holders(uint32_t n) {
   lock(Deadline(-1), false);
   Held held{this};
-  uint64_t key = self_key();
-  RingHolder* free_slot = nullptr;
-  for (RingHolder& holder : h_->holders) {
-    if (holder.key == key) {
-      holder.refs += n;
-      return;
-    }
-    if (holder.key == 0 && free_slot == nullptr) free_slot = &holder;
-  }
-  if (free_slot == nullptr) {
-    h_->untracked.fetch_add(n, std::memory_order_acq_rel);
+  HolderTable table = holders_of(h_);
+  int mine = table.find();
+  if (mine >= 0) {
+    h_->holders[mine].refs += n;
     return;
   }
-  free_slot->refs = n;
-  free_slot->foreign = pid_namespace_id() != h_->pidns ? 1 : 0;
-  store_fence();
-  free_slot->key = key;  // published last: a death before this leaves a free slot
+  for (size_t i = 0; i < table.size(); ++i) {
+    RingHolder& holder = h_->holders[i];
+    if (!holder.key.free()) continue;
+    holder.refs = n;  // counted before the claim publishes it
+    store_fence();
+    if (holder.key.claim(table.self())) return;
+  }
+  h_->untracked.fetch_add(n, std::memory_order_acq_rel);  // the table is full
 }
 
 bool Ring::remove_holder(uint32_t* reaped) {
   *reaped = 0;
   lock(Deadline(-1), false);
   Held held{this};
-  uint64_t key = self_key();
-  bool counted = false;
-  bool others = false;
-  for (RingHolder& holder : h_->holders) {
-    if (holder.key == 0) continue;
-    if (holder.key == key && !counted) {
-      counted = true;
-      if (holder.refs > 0) holder.refs -= 1;
-      if (holder.refs == 0) holder.key = 0;
-      else others = true;
-      continue;
-    }
-    bool alive = holder.foreign != 0 || holder_alive(holder.key);
-    if (alive) {
-      others |= holder.refs > 0;
-      continue;
-    }
-    *reaped += holder.refs;  // a process that died holding the ring: reclaim its share
-    holder.refs = 0;
-    store_fence();
-    holder.key = 0;
-  }
-  if (!counted && h_->untracked.load(std::memory_order_acquire) > 0) {
+  HolderTable table = holders_of(h_);
+  int mine = table.find();
+  if (mine >= 0) {
+    RingHolder& holder = h_->holders[mine];
+    if (holder.refs > 0) holder.refs -= 1;
+    if (holder.refs == 0) holder.key.release(table.self());
+  } else if (h_->untracked.load(std::memory_order_acquire) > 0) {
     h_->untracked.fetch_sub(1, std::memory_order_acq_rel);
   }
+  // A process that died holding the ring: reclaim its share (the caller drops its block
+  // references, which it could not drop itself).
+  table.reap([&](size_t i) {
+    *reaped += h_->holders[i].refs;
+    h_->holders[i].refs = 0;
+    store_fence();
+  });
+  bool others = false;
+  for (const RingHolder& holder : h_->holders) others |= !holder.key.free() && holder.refs > 0;
   return !others && h_->inflight.load(std::memory_order_acquire) == 0 &&
          h_->untracked.load(std::memory_order_acquire) == 0;
 }
@@ -96,9 +63,9 @@ std::vector<Ring::HolderInfo> Ring::holder_table() {
   Held held{this};
   std::vector<HolderInfo> out;
   for (const RingHolder& holder : h_->holders) {
-    if (holder.key == 0) continue;
-    out.push_back(HolderInfo{static_cast<int64_t>(holder.key >> 32), holder.refs,
-                             holder.foreign != 0 || holder_alive(holder.key)});
+    if (holder.key.free()) continue;
+    out.push_back(HolderInfo{key_pid(holder.key.key()), holder.refs,
+                             !holder.key.dead(h_->pidns)});
   }
   return out;
 }
@@ -109,7 +76,7 @@ int64_t Ring::holders() {
   int64_t n = h_->inflight.load(std::memory_order_acquire) +
               h_->untracked.load(std::memory_order_acquire);
   for (const RingHolder& holder : h_->holders) {
-    if (holder.key != 0) n += holder.refs;
+    if (!holder.key.free()) n += holder.refs;
   }
   return n;
 }

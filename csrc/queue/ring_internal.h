@@ -5,14 +5,16 @@
 #include <cstdint>
 
 #include "queue/ring.h"
+#include "sync/holders.h"
 
 namespace torch_mp_ext {
 
 struct RingHolder {
-  uint64_t key;   ///< (pid << 32 | start time) of a process holding the ring; 0: free slot
-  uint32_t refs;  ///< queue objects of that process holding it (each holds one block reference)
-  uint32_t foreign;  ///< another pid namespace: its liveness cannot be judged from here
+  HolderSlot key;  ///< the process holding the ring (Note [Holder tables]); free: no holder
+  uint32_t refs;   ///< queue objects of that process holding it (each holds one block reference)
+  uint32_t reserved;
 };
+static_assert(sizeof(RingHolder) == 16, "RingHolder is part of the shared layout");
 
 struct RingHeader {
   uint64_t magic;
@@ -45,9 +47,10 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared atomics must b
 /// Store order is what makes a death at any instruction safe (Note [Ring commit]).
 inline void store_fence() { std::atomic_signal_fence(std::memory_order_seq_cst); }
 
-/// A holder process can still touch the ring: it exists, is the same process (start time),
-/// and is not a zombie (dead, only waiting for its parent to reap it).
-bool holder_alive(uint64_t key);
+/// The ring's holder table (Note [Ring holders]).
+inline HolderTable holders_of(RingHeader* h) {
+  return HolderTable(h->holders, MAX_RING_HOLDERS, &RingHolder::key, h->pidns);
+}
 
 /// Unlocks the ring's mutex on every exit path while `on`; wait_on() clears and sets it.
 struct Ring::Held {

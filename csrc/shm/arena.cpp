@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common/arith.h"
 #include "common/check.h"
 #include "ipc/fd_server.h"
 
@@ -17,8 +18,6 @@ uint64_t next_pow2(uint64_t n) {
   while (p < n) p <<= 1;
   return p;
 }
-
-uint64_t round_up(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
 
 void init_allocated(Mapping& m, uint32_t index) {
   BlockSlot& slot = m.slots()[index];
@@ -192,11 +191,6 @@ ArenaStats Arena::stats() {
     }
   }
   return s;
-}
-
-void Arena::set_cache_limit(size_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
-  cache_limit_ = bytes;
 }
 
 void Arena::atfork_child() {

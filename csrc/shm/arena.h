@@ -48,7 +48,6 @@ class Arena {
   /// returns the bytes released.
   size_t empty_cache();
   ArenaStats stats();
-  void set_cache_limit(size_t bytes);
 
   static uint64_t class_size(size_t nbytes);
   static uint32_t blocks_per_segment(uint64_t block_size);

@@ -122,15 +122,13 @@ std::vector<std::string> Registry::audit(bool reclaimed) {
              " references held by no registered process, but " + std::to_string(inflight) +
              " handles in flight");
     }
-    if (!reclaimed || h->pidns != pid_namespace_id()) continue;
+    if (!reclaimed) continue;
     for (size_t slot = 0; slot < MAX_HOLDERS; ++slot) {  // 5.
-      uint64_t key = h->holders[slot].load(std::memory_order_acquire) & ~HOLDER_RECLAIMING;
-      if (key == 0 || process_alive(static_cast<pid_t>(key >> 32), static_cast<uint32_t>(key))) {
-        continue;
-      }
+      if (!h->holders[slot].dead(h->pidns)) continue;
       for (uint32_t i = 0; i < n; ++i) {
         if ((masks[i].bits[slot / 64].load() >> (slot % 64)) & 1) {
-          report(where(m, i) + " is still held by dead process " + std::to_string(key >> 32));
+          report(where(m, i) + " is still held by dead process " +
+                 std::to_string(h->holders[slot].key() >> 32));
         }
       }
     }

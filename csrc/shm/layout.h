@@ -25,10 +25,12 @@
 // slots) set neither flag: their owner polls the counts and recycles slots itself.
 //
 // Note [Holder table]
-// Every segment lists the processes that map it: (pid << 32 | start time), one atomic word
-// each, registered on map and cleared on unmap. When every registered holder is dead (pid gone,
-// or reused by a process with another start time) the name can be unlinked by anyone, which is
-// how names survive no SIGKILL: see reaper.h. Holders in another pid namespace are never judged.
+// Every segment lists the processes that map it in a holder table (Note [Holder tables] in
+// sync/holders.h: one word per process, its key), registered on map and released on unmap.
+// When every registered holder is dead (pid gone, or reused by a process with another start
+// time) the name can be unlinked by anyone, which is how names survive no SIGKILL: see
+// reaper.h. The table's home is the creator's pid namespace (`pidns`); holders elsewhere are
+// never judged.
 // References held by handles in flight are counted apart (`inflight`): a name whose holders
 // are all gone but which a pickled message still names is left alone (its sender may have
 // exited normally after put()); one with no live holder and nothing in flight is garbage.
@@ -38,21 +40,24 @@
 // most one counted reference per block (its BlockRefs on one block share it), marked by its
 // bit in the block's HolderMask. The bit is set after the reference is counted and cleared
 // before it is dropped, so a process killed in between leaks one reference, never frees a
-// block early. A reclaimer (the owner, when its pool runs dry, or empty_cache()) that finds a
-// registered holder dead claims its table slot (HOLDER_RECLAIMING | its own key: a second
-// reclaimer only takes over from a dead one), clears the dead holder's bits one by one with
-// an atomic AND (whoever clears a bit drops that one reference), then frees the slot. So a
-// SIGKILLed receiver's tensors go back to the pool while their owner lives on.
+// block early. A reclaimer (the owner, when its pool runs dry, or empty_cache()) reaps the
+// dead holders' slots (Note [Holder tables]: a second reclaimer only takes over from a dead
+// one): for each, it clears the dead holder's bits one by one with an atomic AND (whoever
+// clears a bit drops that one reference), then frees the slot. So a SIGKILLed receiver's
+// tensors go back to the pool while their owner lives on.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 
+#include "sync/holders.h"
+
 namespace torch_mp_ext {
 
 constexpr uint64_t SEGMENT_MAGIC = 0x314d474553584d54ULL;  // "TMXSEGM1" little-endian
-constexpr uint32_t LAYOUT_VERSION = 2;
+/// 3: holder words carry the flags of Note [Holder tables] (FOREIGN is new).
+constexpr uint32_t LAYOUT_VERSION = 3;
 /// Processes that can be registered as holders of one named segment (Note [Holder table]).
 constexpr size_t MAX_HOLDERS = 128;
 /// Bytes for a segment name, including the leading '/' and the terminating NUL.
@@ -60,8 +65,6 @@ constexpr size_t NAME_CAPACITY = 64;
 /// Alignment of every block's first byte: enough for any dtype and for AVX-512 loads.
 constexpr size_t BLOCK_ALIGNMENT = 64;
 constexpr uint32_t NO_BLOCK = 0xffffffffu;
-/// Holder-table value of a slot whose dead holder is being reclaimed (Note [Dead holders]).
-constexpr uint64_t HOLDER_RECLAIMING = uint64_t{1} << 63;
 
 enum class SegmentKind : uint32_t { Arena = 1, Counters = 2 };
 
@@ -76,7 +79,7 @@ struct BlockSlot {
   std::atomic<int64_t> refcount;
   std::atomic<uint32_t> next;        ///< free-stack link (index of the next free block)
   std::atomic<uint32_t> generation;  ///< bumped at each allocation; handles carry it
-  std::atomic<uint64_t> holder;      ///< counters only: holder key of the receiving process
+  HolderSlot holder;                 ///< counters only: the receiving process (its key)
   std::atomic<uint64_t> tag;         ///< counters only: what the slot keeps alive (0: untagged)
 };
 static_assert(sizeof(BlockSlot) == 32, "BlockSlot is part of the shared layout");
@@ -106,7 +109,7 @@ struct SegmentHeader {
   std::atomic<uint64_t> free_head;    ///< (tag << 32) | index of the first free block
   std::atomic<int64_t> inflight;      ///< references held by handles not yet rebuilt
   char name[NAME_CAPACITY];
-  std::atomic<uint64_t> holders[MAX_HOLDERS];
+  HolderSlot holders[MAX_HOLDERS];  ///< Note [Holder table]
 };
 
 static_assert(std::atomic<int64_t>::is_always_lock_free, "shared atomics must be lock-free");
@@ -120,6 +123,11 @@ constexpr size_t slots_offset() {
 
 inline BlockSlot* slots_of(SegmentHeader* h) {
   return reinterpret_cast<BlockSlot*>(reinterpret_cast<char*>(h) + slots_offset());
+}
+
+/// The segment's holder table (Note [Holder table]).
+inline HolderTable holders_of(SegmentHeader* h) {
+  return HolderTable(h->holders, MAX_HOLDERS, sizeof(HolderSlot), h->pidns);
 }
 
 inline HolderMask* masks_of(SegmentHeader* h) {

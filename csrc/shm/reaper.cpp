@@ -40,9 +40,9 @@ bool is_garbage(const std::string& path, const ReapOptions& options) {
   if (p == MAP_FAILED) return false;
   auto* h = static_cast<SegmentHeader*>(p);
   bool garbage = h->magic == SEGMENT_MAGIC && h->layout_version == LAYOUT_VERSION &&
-                 !process_alive(h->owner_pid, static_cast<uint32_t>(h->owner_key)) &&
+                 holder_word_dead(h->owner_key, h->pidns) &&
                  (options.include_inflight || h->inflight.load() == 0) &&
-                 !any_live_holder(h, 0);
+                 !holders_of(h).any_alive();
   ::munmap(p, sizeof(SegmentHeader));
   return garbage;
 }

@@ -1,19 +1,20 @@
 // Reclaiming file_system segments held only by dead processes, while the program runs.
 //
 // Note [Reclaiming names at run time]
-// A named segment's references held by a process that was SIGKILLed are marked by its
-// holder bits (Note [Dead holders]); nobody drops them unless someone looks. A receiver that
-// unmaps a name judges it then (maybe_reap_on_unmap), but a holder that dies *after* every
-// other process let go (a killed child's never-sent tensors; a forked worker that inherited
-// its parent's tensors and was killed after the parent dropped them) leaves a name nobody
-// looks at again until `python -m torch_mp_ext cleanup`. So whenever a process learns that a
-// child died (Process.join() found a non-zero exit code, torch_mp_ext's Process classes)
-// it walks /dev/shm for segments created by itself or by a dead process, maps each, drops
-// the dead holders' references exactly once (the same claim-and-clear as Registry's
-// reclaim: a concurrent reclaimer never drops a bit twice), and unlinks the name when the
-// count reaches zero (FLAG_UNLINK_ON_ZERO) or when no live process holds it and no handle in
-// flight names it (the reaper's rule). Segments of live creators other than this process
-// are theirs to judge; other pid namespaces are never judged.
+// A named segment's references held by a process that was SIGKILLed are marked by its holder
+// bits (Note [Dead holders]); nobody drops them unless someone looks. A receiver that unmaps a
+// name judges it then (maybe_reap_on_unmap), but a holder that dies *after* every other
+// process let go (a killed child's never-sent tensors; a forked worker that inherited its
+// parent's tensors and was killed after the parent dropped them) leaves a name nobody looks at
+// again until `python -m torch_mp_ext cleanup`; so does a name whose last two live holders
+// exit together, each seeing the other alive. So whenever a process joins a child
+// (Process.join() of torch_mp_ext's Process classes, with file_system in use) it walks
+// /dev/shm for segments created by itself or by a dead process, maps each, drops the dead
+// holders' references exactly once (the same claim-and-clear as Registry's reclaim: a
+// concurrent reclaimer never drops a bit twice), and unlinks the name when the count reaches
+// zero (FLAG_UNLINK_ON_ZERO) or when no live process holds it and no handle in flight names it
+// (the reaper's rule). Segments of live creators other than this process are theirs to judge;
+// other pid namespaces are never judged.
 #include <dirent.h>
 
 #include <cstdlib>
@@ -49,8 +50,7 @@ std::vector<std::string> Registry::reclaim_named(const std::string& prefix) {
       continue;  // gone meanwhile, not ours (torch's own torch_* files), another version
     }
     SegmentHeader* h = m->header();
-    if (h->kind != static_cast<uint32_t>(SegmentKind::Arena) ||
-        h->pidns != pid_namespace_id()) {
+    if (h->kind != static_cast<uint32_t>(SegmentKind::Arena) || !holders_of(h).can_judge()) {
       m->deregister_holder();
       continue;
     }
@@ -60,7 +60,8 @@ std::vector<std::string> Registry::reclaim_named(const std::string& prefix) {
       dropped = reclaim_locked(*m);  // may unlink: FLAG_UNLINK_ON_ZERO
     }
     m->deregister_holder();
-    bool garbage = h->inflight.load(std::memory_order_acquire) == 0 && !any_live_holder(h, 0);
+    bool garbage =
+        h->inflight.load(std::memory_order_acquire) == 0 && !holders_of(h).any_alive();
     bool unlinked = garbage ? unlink_name(m->name()) : false;
     if (dropped > 0 || unlinked) removed.push_back(name);
   }

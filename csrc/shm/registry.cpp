@@ -24,7 +24,7 @@ constexpr size_t MAX_IDLE_MAPPINGS = 64;
 std::atomic<uint64_t> g_underflows{0};
 
 bool owner_gone(const SegmentHeader* h) {
-  return ::kill(h->owner_pid, 0) != 0 && errno == ESRCH;
+  return holder_word_dead(h->owner_key, h->pidns);  // a reused pid is not the owner
 }
 
 /// Crash cleanup for a named segment this process stops mapping (Note [Holder table]).
@@ -36,7 +36,7 @@ void maybe_reap_on_unmap(Mapping& m) {
   for (uint32_t i = 0; i < h->nblocks; ++i) {
     if (m.slots()[i].refcount.load(std::memory_order_acquire) > 0) referenced = true;
   }
-  if (referenced && !any_live_holder(h, 0)) unlink_name(m.name());
+  if (referenced && !holders_of(h).any_alive()) unlink_name(m.name());
 }
 
 /// One handle in flight was redeemed. Never below zero: a handle redeemed twice (a pickle
@@ -198,28 +198,16 @@ void Registry::on_release(BlockRef* ref) {
 size_t Registry::reclaim_locked(Mapping& mapping) {
   SegmentHeader* h = mapping.header();
   HolderMask* masks = masks_of(h);
-  if (masks == nullptr || h->pidns != pid_namespace_id()) return 0;
+  if (masks == nullptr) return 0;
   size_t reclaimed = 0;
-  uint64_t me = self_key();
-  for (size_t slot = 0; slot < MAX_HOLDERS; ++slot) {
-    uint64_t key = h->holders[slot].load(std::memory_order_acquire);
-    if (key == 0 || key == me) continue;
-    uint64_t subject = key & ~HOLDER_RECLAIMING;  // the dead holder, or a reclaimer of it
-    if (process_alive(static_cast<pid_t>(subject >> 32), static_cast<uint32_t>(subject))) {
-      continue;
-    }
-    uint64_t claim = HOLDER_RECLAIMING | me;
-    if (!h->holders[slot].compare_exchange_strong(key, claim, std::memory_order_acq_rel)) {
-      continue;  // someone else claimed it first
-    }
+  holders_of(h).reap([&](size_t slot) {  // Note [Dead holders]
     for (uint32_t i = 0; i < h->nblocks; ++i) {
       if (mask_clear(masks[i], static_cast<int>(slot))) {
         decref_block(mapping, i);
         ++reclaimed;
       }
     }
-    h->holders[slot].compare_exchange_strong(claim, 0, std::memory_order_acq_rel);
-  }
+  });
   return reclaimed;
 }
 

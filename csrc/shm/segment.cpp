@@ -13,6 +13,7 @@
 #include <cstring>
 #include <new>
 
+#include "common/arith.h"
 #include "common/check.h"
 #include "platform/process.h"
 
@@ -21,8 +22,6 @@ namespace torch_mp_ext {
 namespace {
 
 std::atomic<AnonymousBackend> g_backend{AnonymousBackend::Memfd};
-
-size_t round_up(size_t value, size_t to) { return (value + to - 1) / to * to; }
 
 /// Where the HolderMask table starts (arena segments only), right after the slots.
 size_t masks_offset_for(const SegmentSpec& spec) {
@@ -296,42 +295,18 @@ bool unlink_name(const std::string& name) {
   return ::shm_unlink(name.c_str()) == 0;
 }
 
-int holder_register(SegmentHeader* h, uint64_t key) {
-  for (size_t i = 0; i < MAX_HOLDERS; ++i) {
-    uint64_t expected = 0;
-    if (h->holders[i].load(std::memory_order_relaxed) == 0 &&
-        h->holders[i].compare_exchange_strong(expected, key, std::memory_order_acq_rel)) {
-      return static_cast<int>(i);
-    }
-  }
-  return -1;  // table full: this holder is invisible to reapers and reclaimers (it leaks
-              // rather than loses anything)
-}
-
-void holder_deregister(SegmentHeader* h, int index, uint64_t key) {
-  if (index < 0) return;
-  uint64_t expected = key;
-  h->holders[index].compare_exchange_strong(expected, 0, std::memory_order_acq_rel);
-}
-
 void Mapping::register_holder() {
-  if (holder_index < 0) holder_index = holder_register(header(), self_key());
+  // -1 when the table is full: this holder is invisible to reapers and reclaimers (it leaks
+  // rather than loses anything).
+  if (holder_index < 0) holder_index = holders_of(header()).claim();
 }
 
 void Mapping::deregister_holder() {
-  holder_deregister(header(), holder_index, self_key());
-  holder_index = -1;
-}
-
-bool any_live_holder(SegmentHeader* h, uint64_t except_key) {
-  if (h->pidns != pid_namespace_id()) return true;  // cannot judge other namespaces
-  for (auto& slot : h->holders) {
-    uint64_t key = slot.load(std::memory_order_acquire);
-    if (key == 0 || key == except_key || (key & HOLDER_RECLAIMING)) continue;
-    auto pid = static_cast<pid_t>(key >> 32);
-    if (process_alive(pid, static_cast<uint32_t>(key))) return true;
+  if (holder_index >= 0) {
+    HolderTable holders = holders_of(header());
+    holders[static_cast<size_t>(holder_index)].release(holders.self());
   }
-  return false;
+  holder_index = -1;
 }
 
 }  // namespace torch_mp_ext

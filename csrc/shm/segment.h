@@ -86,11 +86,5 @@ std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t ex
 /// shm_unlink that tolerates ENOENT (someone else won the race); true if this call removed it.
 bool unlink_name(const std::string& name);
 
-/// Holder table helpers (Note [Holder table]): the slot index taken, or -1 if full.
-int holder_register(SegmentHeader* h, uint64_t key);
-void holder_deregister(SegmentHeader* h, int index, uint64_t key);
-/// True if a registered holder other than `except_key` may be alive (other pid namespaces and
-/// undecidable cases count as alive).
-bool any_live_holder(SegmentHeader* h, uint64_t except_key);
 
 }  // namespace torch_mp_ext

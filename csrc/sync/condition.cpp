@@ -22,12 +22,6 @@ inline void cpu_relax() {
 #endif
 }
 
-int64_t now_ns() {
-  timespec ts;
-  ::clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
-
 // Not FUTEX_PRIVATE_FLAG: the word is shared between processes. FUTEX_WAIT_BITSET without
 // FUTEX_CLOCK_REALTIME takes an absolute CLOCK_MONOTONIC deadline (Note [Monotonic time]).
 long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* deadline) {
@@ -50,11 +44,11 @@ SharedCondition::Woke SharedCondition::wait(uint32_t seen, const Deadline& deadl
     // yielding spinner on the same CPU waited for the scheduler tick (4 ms at HZ=250), which
     // made a tensor hand-off take 4 ms instead of 50 us until the balancer moved it. The spin
     // is bounded (spin_ns), so a peer sharing the core loses at most that.
-    int64_t until = now_ns() + spin_ns;
+    int64_t until = monotonic_ns() + spin_ns;
     for (int i = 1;; ++i) {
       if (seq_.load(std::memory_order_acquire) != seen) return Woke::Event;
       cpu_relax();
-      if ((i & 31) == 0 && now_ns() >= until) break;
+      if ((i & 31) == 0 && monotonic_ns() >= until) break;
     }
   }
   if (deadline.expired()) return Woke::TimedOut;
@@ -74,7 +68,7 @@ SharedCondition::Woke SharedCondition::wait(uint32_t seen, const Deadline& deadl
     case EINTR:
       return Woke::Interrupted;
     default:
-      throw SyscallError(err, "futex(FUTEX_WAIT_BITSET)", "queue condition");
+      throw SyscallError(err, "futex(FUTEX_WAIT_BITSET)", "process-shared condition");
   }
 }
 
@@ -82,7 +76,7 @@ void SharedCondition::notify(int count) {
   seq_.fetch_add(1, std::memory_order_seq_cst);
   if (waiters_.load(std::memory_order_seq_cst) == 0) return;
   if (futex(&seq_, FUTEX_WAKE, static_cast<uint32_t>(count), nullptr) == -1) {
-    throw SyscallError(errno, "futex(FUTEX_WAKE)", "queue condition");
+    throw SyscallError(errno, "futex(FUTEX_WAKE)", "process-shared condition");
   }
 }
 

@@ -7,13 +7,15 @@
 // with an internal lock taken inside pthread_cond_signal/broadcast and on a waiter's timeout
 // path, and waits on it without a timeout. A process killed while holding that internal lock
 // blocks every later signaller forever; a waiter killed in the wrong group can also swallow a
-// wake-up meant for a live one. So the queue's conditions are built directly on a futex, which
-// keeps no state a dead process could leave half-written:
+// wake-up meant for a live one. So the conditions of the core (the queue ring's, the
+// latest-value channel's) are built directly on a futex, which keeps no state a dead process
+// could leave half-written:
 //
 //   seq      32-bit counter; every notify increments it (the "event" waiters watch)
 //   waiters  processes/threads about to sleep or sleeping (a hint to skip the wake syscall)
 //
-// A waiter reads `seq` while holding the mutex that guards the predicate, unlocks, spins
+// A waiter reads `seq` while holding the mutex that guards the predicate (or, for a lock-free
+// predicate such as the channel's stamps, before reading the predicate), unlocks, spins
 // briefly watching `seq`, then announces itself in `waiters` and sleeps in
 // FUTEX_WAIT_BITSET(seq == seen) with an absolute CLOCK_MONOTONIC deadline. A notifier
 // changes the predicate under the mutex, then increments `seq` and, if `waiters` is non-zero,
@@ -52,6 +54,9 @@ class SharedCondition {
   /// Wakes one sleeper / every sleeper. Safe with or without the mutex held.
   void notify_one() { notify(1); }
   void notify_all() { notify(0x7fffffff); }
+
+  /// Processes/threads announced as sleeping (diagnostics; a dead sleeper stays counted).
+  uint32_t waiters() const { return waiters_.load(std::memory_order_relaxed); }
 
  private:
   void notify(int count);

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import errno
 import inspect
+import mmap
 import os
 import re
 import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -229,6 +231,42 @@ def test_reaper_spares_segments_named_by_messages_in_flight():
     block = _C.attach(handle)  # ... and can still be received
     del block  # the last reference: gone
     assert not os.path.exists("/dev/shm/" + entry)
+
+
+def test_the_reaper_takes_a_reused_pid_for_the_dead_holder_it_replaced():
+    # A named segment whose creator was SIGKILLed; a holder slot then names this process's
+    # pid with another start time (the pid was reused): the segment is still garbage. With
+    # this process's true key in that slot, it is not (Note [Holder tables]).
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from torch_mp_ext import _C
+        block = _C.allocate(100, named=True)
+        print(block.name, _C.holder_key(), flush=True)
+        os.kill(os.getpid(), 9)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    name, dead_key = out.stdout.split()
+    entry = name.lstrip("/")
+    me = _C.holder_key()
+    impostor = (me & ~0xFFFFFFFF) | ((me + 1) & 0xFFFFFFFF)
+    try:
+        with open("/dev/shm/" + entry, "r+b") as file, mmap.mmap(file.fileno(), 4096) as m:
+            # The creator's key stands twice in the header: owner_key, then its holder slot.
+            packed = struct.pack("<Q", int(dead_key))
+            slot = m.find(packed, m.find(packed) + 8) + 8  # the next, free, holder slot
+            assert slot > 8 and m[slot:slot + 8] == bytes(8)
+            m[slot:slot + 8] = struct.pack("<Q", impostor)
+            assert entry in _C.reap_dead_segments(dry_run=True)
+            m[slot:slot + 8] = struct.pack("<Q", me)
+            assert entry not in _C.reap_dead_segments(dry_run=True)
+            m[slot:slot + 8] = bytes(8)
+        assert entry in _C.reap_dead_segments()
+    finally:
+        if os.path.exists("/dev/shm/" + entry):
+            os.unlink("/dev/shm/" + entry)
 
 
 def test_process_identity_helpers():

@@ -93,3 +93,20 @@ def test_a_tag_moving_between_slots_is_never_seen_dead():
     q.close()
     assert seen_dead == [], "tag 5 was reported dead while still referenced"
     assert moves > 100 and stable_runs > 10
+
+
+def test_a_holder_whose_pid_was_reused_is_dead_and_its_slot_reclaimed():
+    # Note [Process identity]: this process's pid with another start time is a dead process
+    # whose pid the kernel handed to us. Its slot must be reclaimed, ours must not.
+    counters = _C.CounterFile.create(2)
+    (mine, _), (reused, _) = counters.acquire(1, 5), counters.acquire(1, 6)
+    me = _C.holder_key()
+    impostor = (me & ~0xFFFFFFFF) | ((me + 1) & 0xFFFFFFFF)
+    counters.set_holder(mine, me)
+    counters.set_holder(reused, impostor)
+    assert counters.holder_alive(mine) and not counters.holder_alive(reused)
+    assert counters.collect(True) == (True, [6], [(reused, impostor, 6)], 1)
+    assert counters.value(mine) == 1 and counters.tag(mine) == 5  # the live holder's: kept
+    counters.add(mine, -1)
+    counters.collect()
+    assert counters.unlink()
