@@ -79,3 +79,51 @@ def make_tensors_then_die(n, ready):
     ready.put(os.getpid())
     os.kill(os.getpid(), signal.SIGKILL)
     del kept
+
+
+# ---- the kill-anywhere harness (tests/_kill_anywhere.py) ------------------------------------
+
+
+def _arm(point):
+    """Positive: a ring crash point (_C.set_crash_point); negative: a doorbell one."""
+    from torch_mp_ext import _C, _queue_compat
+
+    if point > 0:
+        _C.Ring.set_crash_point(point)
+    elif point < 0:
+        _queue_compat.crash_point = -point
+
+
+def produce_tagged(q, n, point):
+    _arm(point)
+    for i in range(n):
+        q.put(tagged(i))
+    os._exit(0)
+
+
+def consume(q, n, point):
+    _arm(point)
+    held = []
+    for _ in range(n):
+        held.append(q.get())  # received tensors are held when the kill comes
+    os._exit(0)
+
+
+def tagged_source(n=30):
+    for i in range(n):
+        yield tagged(i)
+
+
+def pass_through(items):
+    yield from items
+
+
+def publish_forever(ch):
+    import torch as _torch
+
+    version = 2
+    template = {f"w{i}": _torch.zeros(20_000) for i in range(8)}
+    while True:
+        ch.publish({k: _torch.full_like(v, float(version)) for k, v in template.items()},
+                   version=version)
+        version += 1

@@ -19,9 +19,11 @@
 
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "platform/process.h"
+#include "shm/reaper.h"
 #include "shm/registry.h"
 
 namespace torch_mp_ext {
@@ -30,7 +32,7 @@ std::vector<std::string> Registry::reclaim_named(const std::string& prefix) {
   std::vector<std::string> removed;
   DIR* dir = ::opendir("/dev/shm");
   if (dir == nullptr) return removed;
-  std::vector<std::string> names;
+  std::vector<std::pair<std::string, pid_t>> names;
   while (dirent* entry = ::readdir(dir)) {
     std::string name = entry->d_name;
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
@@ -39,15 +41,21 @@ std::vector<std::string> Registry::reclaim_named(const std::string& prefix) {
     long pid = std::strtol(p, &end, 10);
     if (end == p || *end != '_' || pid <= 0) continue;
     if (pid != self_pid() && process_alive(static_cast<pid_t>(pid))) continue;
-    names.push_back(name);
+    names.emplace_back(name, static_cast<pid_t>(pid));
   }
   ::closedir(dir);
-  for (const std::string& name : names) {
+  for (const auto& [name, creator] : names) {
     std::shared_ptr<Mapping> m;
     try {
       m = open_named_segment("/" + name, 0);
     } catch (const std::exception&) {
-      continue;  // gone meanwhile, not ours (torch's own torch_* files), another version
+      // Gone meanwhile, not ours (torch's own torch_* files), another version, or a dead
+      // creator's half-made segment (Note [Half-made segments]: the reaper's rules decide).
+      if (creator != self_pid() && half_made_segment("/dev/shm/" + name) &&
+          unlink_name("/" + name)) {
+        removed.push_back(name);
+      }
+      continue;
     }
     SegmentHeader* h = m->header();
     if (h->kind != static_cast<uint32_t>(SegmentKind::Arena) || !holders_of(h).can_judge()) {
