@@ -8,6 +8,17 @@
 // costs no GIL hand-off. Only when it would wait does it release the GIL and block, returning
 // every wait slice (or EINTR) to run Python's signal handlers, so Ctrl-C interrupts a get()
 // (Note [Waiting without the GIL] in bindings.h).
+//
+// Note [Ring holders are not block references]
+// A process holds at most one counted reference to any block, however many BlockRefs (queue
+// objects) it has on it (Note [Dead holders] in layout.h), and that reference is marked by
+// the process's bit in the block's holder mask. The ring's holder table counts queue objects
+// per process, to find the last holder. The two must never both drop a dead process's
+// reference: once dropped per queue object by the ring reaper (N objects: N drops for one
+// reference) and once more by the segment's reclaimer, a ring's block went back to the free
+// stack while live processes still used it, and the next queue created got the same ring:
+// two live queues delivering each other's items (issue 12). So a dead holder found by the
+// ring only triggers the segment's reclaim, which drops each dead process's bit exactly once.
 #include <pybind11/stl.h>
 
 #include <algorithm>
@@ -259,14 +270,16 @@ class RingHandle {
       py::gil_scoped_release nogil;
       last = ring_.remove_holder(&reaped);
     }
-    // Dead holders could not drop their references to the ring's block: drop them here.
-    // Ours keeps the block alive meanwhile.
-    // The table is shared memory: a peer could write any count there, so never drop more
-    // references than the block has besides ours.
-    auto& ref = block_.cast<BlockRef&>();
-    int64_t others = ref.mapping()->slots()[ref.index()].refcount.load() - 1;
-    int64_t drop = std::clamp<int64_t>(others, 0, reaped);
-    for (int64_t i = 0; i < drop; ++i) decref_block(*ref.mapping(), ref.index());
+    // Note [Ring holders are not block references]: the ring's table only counts queue
+    // objects. What a dead holder process held of the ring's block is one counted reference
+    // marked by its bit in the segment's holder masks; reclaiming the segment drops it exactly
+    // once, here, now, instead of when the owner's pool runs dry. Ours keeps the block alive.
+    if (reaped > 0) {
+      auto& ref = block_.cast<BlockRef&>();
+      auto& registry = Registry::instance();
+      std::lock_guard<std::mutex> lock(registry.mutex());
+      registry.reclaim_locked(*ref.mapping());
+    }
     return last;
   }
 
@@ -395,7 +408,10 @@ void init_queue(py::module_& m) {
           },
           "(items, bytes of frames, unfinished tasks), read together under the lock.")
       .def("doorbell_should_ring", [](RingHandle& r) { return r.ring().doorbell_should_ring(); })
-      .def("doorbell_clear", [](RingHandle& r) { r.ring().doorbell_clear(); })
+      .def("doorbell_claim", [](RingHandle& r) { r.ring().doorbell_claim(); })
+      .def("doorbell_release", [](RingHandle& r) { r.ring().doorbell_release(); })
+      .def_property_readonly("doorbell_owner",
+                             [](RingHandle& r) { return r.ring().doorbell_owner(); })
       .def_property_readonly("capacity", [](RingHandle& r) { return r.ring().capacity(); })
       .def_property_readonly("maxsize", [](RingHandle& r) { return r.ring().maxsize(); })
       .def_property_readonly("joinable", [](RingHandle& r) { return r.ring().joinable(); })

@@ -114,6 +114,26 @@ void init_shm(py::module_& m) {
       py::arg("handle"), py::arg("timeout") = 60.0,
       R"pbdoc(Drops the reference a handle carries without keeping the block.)pbdoc");
   m.def(
+      "reclaim_named_segments",
+      [](const std::string& prefix) {
+        py::gil_scoped_release nogil;
+        return Registry::instance().reclaim_named(prefix);
+      },
+      py::arg("prefix") = "torch_",
+      R"pbdoc(Note [Reclaiming names at run time]: drops what dead processes held of the
+named segments this process or dead ones created, unlinking those nobody alive holds.
+Returns the names reclaimed.)pbdoc");
+  m.def(
+      "audit",
+      [](bool reclaim) {
+        if (reclaim) Registry::instance().reclaim_dead_holders();
+        return Registry::instance().audit(reclaim);
+      },
+      py::arg("reclaim") = true,
+      R"pbdoc(Private debug audit (Note [Audit]): the violated invariants of every segment
+this process maps, one string each. `reclaim`: first drop dead processes' references, as
+survivors do, and report any a dead process still holds.)pbdoc");
+  m.def(
       "share_address",
       [](uintptr_t address, size_t nbytes) -> py::object {
         Handle h;

@@ -4,6 +4,7 @@
 
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstring>
 #include <new>
@@ -122,7 +123,6 @@ Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
   h->broken.store(0, std::memory_order_relaxed);
   h->journal_valid.store(0, std::memory_order_relaxed);
   h->doorbell.store(0, std::memory_order_relaxed);
-  h->reserved = 0;
   h->not_empty.init();
   h->not_full.init();
   h->all_done.init();
@@ -397,13 +397,34 @@ std::optional<Ring::Counts> Ring::counts(const Deadline& deadline) {
   return Counts{h_->state.count, h_->state.tail - h_->state.head, h_->state.unfinished};
 }
 
+namespace {
+/// Not process_alive() on purpose: this runs on every put that finds another process's key,
+/// so it costs one syscall, not a /proc read. Either answer is safe (Note [Doorbell]): a
+/// zombie, a recycled pid or another namespace's pid counted alive only delays the repair;
+/// one counted dead only costs a spare byte in the pipe.
+bool ringer_gone(uint64_t key) { return ::kill(key_pid(key), 0) != 0 && errno == ESRCH; }
+}  // namespace
+
 bool Ring::doorbell_should_ring() {
-  if (h_->doorbell.load(std::memory_order_seq_cst) != 0) return false;
-  h_->doorbell.store(1, std::memory_order_seq_cst);
-  return true;
+  uint64_t me = self_key();
+  uint64_t seen = h_->doorbell.load(std::memory_order_seq_cst);
+  for (;;) {
+    if (seen == me) return false;                   // we owe the byte already
+    if (seen != 0 && !ringer_gone(seen)) return false;  // a live process owes it
+    if (h_->doorbell.compare_exchange_weak(seen, me, std::memory_order_seq_cst)) return true;
+  }
 }
 
-void Ring::doorbell_clear() { h_->doorbell.store(0, std::memory_order_seq_cst); }
+void Ring::doorbell_claim() { h_->doorbell.store(self_key(), std::memory_order_seq_cst); }
+
+void Ring::doorbell_release() {
+  uint64_t me = self_key();
+  h_->doorbell.compare_exchange_strong(me, 0, std::memory_order_seq_cst);
+}
+
+uint64_t Ring::doorbell_owner() const {
+  return h_->doorbell.load(std::memory_order_seq_cst) >> 32;
+}
 
 uint64_t Ring::capacity() const { return capacity_; }
 uint64_t Ring::maxsize() const { return h_->maxsize; }

@@ -10,7 +10,7 @@
 //          │   magic version flags capacity maxsize data_offset spin_ns   creator, once  │
 //          │   inflight untracked  atomic: holders in pickles / beyond the holder table   │
 //          │   recoveries broken   atomic: repairs done / repair found garbage            │
-//          │   doorbell            atomic: SimpleQueue's wake-up pipe holds a byte        │
+//          │   doorbell            atomic: who owes the SimpleQueue pipe a byte           │
 //          │   not_empty not_full all_done    futex conditions (Note [Why not pthread_cond_t])
 //          │   mutex               robust, process-shared; guards everything below        │
 //          │   state   {head tail count unfinished}    the truth                          │
@@ -51,22 +51,41 @@
 // Every queue object holding the ring, in any process, is counted in `holders`, by process
 // (pid << 32 | start time, so a recycled pid is another process): the creator, every copy a
 // pickle became (counted in `inflight` while the pickle travels) and every copy a fork
-// inherited. Each such object also holds one reference to the ring's block. When an object
-// lets go (remove_holder), the processes in the table that are dead are reaped: whatever
-// they held is handed back to the caller, which drops the block references they could not
-// drop themselves (a SIGKILLed or SIGTERMed worker: Pool.terminate(), a DataLoader worker
-// killed on timeout). The caller that finds no live holder left, nothing in flight, is the
-// last one: it drains the ring (Note [Queue lifetime] in queues/ring_queue.py). The table is
-// a holder table (Note [Holder tables]) whose slots carry `refs`; it is only changed under
-// the mutex.
-// A slot's refs are written before its key is claimed and zeroed before it is released or
-// reaped, so a death mid-update leaves either a free slot or a holder that the next reaper
-// judges (a reaper that dies after taking the refs leaks them: never frees twice). Holders
-// in another pid namespace than the ring's creator are never judged dead; beyond the table's
-// 128 processes they are only counted (`untracked`).
+// inherited. Each such object also holds a BlockRef on the ring's block, but the table counts
+// objects, not block references (Note [Ring holders are not block references] in
+// bind_queue.cpp). When an object lets go (remove_holder), the processes in the table that are
+// dead are reaped (a SIGKILLed or SIGTERMed worker: Pool.terminate(), a DataLoader worker
+// killed on timeout) and their count is returned, so that the caller reclaims what they held
+// of the block through the segment's holder masks. The caller that finds no live holder left,
+// nothing in flight, is the last one: it drains the ring (Note [Queue lifetime] in
+// queues/ring_queue.py).
+// The table is a holder table (Note [Holder tables]) whose slots carry `refs`; it is only
+// changed under the mutex. A slot's refs are written before its key is claimed and zeroed
+// before it is released or reaped, so a death mid-update leaves either a free slot or a
+// holder that the next reaper judges. Holders in another pid namespace than the ring's
+// creator are never judged dead; beyond the table's 128 processes they are only counted
+// (`untracked`).
 // A holder in flight is never judged either: a pickle may be opened long after its sender
 // exited (a queue sent through a queue). So a pickle that is never opened (its receiver was
 // killed before unpickling it) keeps the ring until the segment's owner exits.
+//
+// Note [Doorbell]
+// SimpleQueue's wake-up pipe (Note [SimpleQueue internals that the standard library uses] in
+// _queue_compat.py) is kept honest by one shared word, `doorbell`: 0, or the key of the one
+// process that owes the pipe a byte. The invariant, at every instruction of every process:
+//   an item is queued  =>  the pipe holds a byte, or `doorbell` names a process that will
+//   write one (or re-check and write one) before its call returns, or `doorbell` is 0 or
+//   names a dead process, and the next survivor to touch the queue rings.
+// A put commits, then takes the word if it is 0 or names a dead process (CAS) and writes a
+// byte. A get claims the word (whatever it held), drains the pipe, and writes a byte if items
+// remain; otherwise it clears the word (CAS from its own key) and re-checks the ring like a
+// put (sequentially consistent on both sides: a put that saw the getter's key committed
+// before the getter's re-check, which then sees its item). SimpleQueue's reader also rings
+// like a put whenever `fileno()` is asked for with items queued, which is what
+// multiprocessing.connection.wait() does first. So a process SIGKILLed between taking the
+// word and writing its byte (or between draining and re-ringing) leaves the word naming a
+// dead process, and the next put, get or wait() repairs it: nothing waits for an item that
+// is there. Liveness is kill(pid, 0): a zombie counts as alive until its parent reaps it.
 #pragma once
 
 #include <atomic>
@@ -84,8 +103,9 @@
 namespace torch_mp_ext {
 
 constexpr uint64_t RING_MAGIC = 0x31474e4952584d54ULL;  // "TMXRING1" little-endian
-/// 2: holder keys carry the flags of Note [Holder tables].
-constexpr uint32_t RING_VERSION = 2;
+/// 2: holder keys carry the flags of Note [Holder tables]; 3: the doorbell word names its
+/// ringer (Note [Doorbell]).
+constexpr uint32_t RING_VERSION = 3;
 constexpr uint32_t RING_JOINABLE = 1u << 0;
 /// Frame header bytes: uint32 payload size + uint32 tag.
 constexpr uint64_t FRAME_HEADER = 8;
@@ -210,10 +230,15 @@ class Ring {
   /// caller retries after running signal handlers: a stopped peer must not freeze it).
   std::optional<Counts> counts(const Deadline& deadline);
 
-  /// The doorbell flag of Note [SimpleQueue internals that the standard library uses] in
-  /// queues/compat.py: true if the caller must ring (the flag was clear; it is set now).
+  /// Note [Doorbell]: true if the caller must write a byte to the wake-up pipe (the flag was
+  /// clear or named a dead process; it names the caller now).
   bool doorbell_should_ring();
-  void doorbell_clear();
+  /// A getter about to drain the pipe takes the duty to ring over, whoever had it.
+  void doorbell_claim();
+  /// The getter found the ring empty after draining: clears the flag if it still names us.
+  void doorbell_release();
+  /// The pid owing a byte, 0 if none (tests).
+  uint64_t doorbell_owner() const;
 
   /// Note [Ring holders]: `n` more queue objects of this process hold the ring.
   void add_holders(uint32_t n);

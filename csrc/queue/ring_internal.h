@@ -30,8 +30,7 @@ struct RingHeader {
   std::atomic<uint64_t> recoveries;
   std::atomic<uint32_t> broken;
   std::atomic<uint32_t> journal_valid;
-  std::atomic<uint32_t> doorbell;
-  uint32_t reserved;
+  std::atomic<uint64_t> doorbell;  ///< 0, or the key of the process owing a byte (Note [Doorbell])
   SharedCondition not_empty;
   SharedCondition not_full;
   SharedCondition all_done;

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 
@@ -28,7 +29,35 @@ pid_t creator_pid(const std::string& entry, const std::string& prefix) {
   return static_cast<pid_t>(pid);
 }
 
+/// "<prefix><pid>_" followed by exactly 16 hex digits: the names segment.cpp makes (torch's
+/// own torch_<pid>_<n> names have at most 10 decimal digits).
+bool our_name_format(const std::string& entry) {
+  size_t underscore = entry.rfind('_');
+  if (underscore == std::string::npos || entry.size() - underscore - 1 != 16) return false;
+  for (size_t i = underscore + 1; i < entry.size(); ++i) {
+    if (!std::isxdigit(static_cast<unsigned char>(entry[i]))) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool half_made_segment(const std::string& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd.valid()) return false;
+  SegmentHeader h;
+  ssize_t n = ::pread(fd.get(), &h, sizeof(h), 0);
+  bool zeros = n <= 0 || (n >= static_cast<ssize_t>(sizeof(uint64_t) * 3) && h.magic == 0 &&
+                          h.layout_version == 0 && h.segment_id == 0);
+  return zeros && our_name_format(path.substr(path.rfind('/') + 1));
+}
+
+namespace {
+
 bool is_garbage(const std::string& path, const ReapOptions& options) {
+  // Note [Half-made segments]: a creator killed between O_EXCL-creating the name and
+  // writing the header leaves an empty file or one of zeros, which nobody ever held.
+  if (half_made_segment(path)) return true;
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   if (!fd.valid()) return false;
   struct stat st;

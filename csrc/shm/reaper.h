@@ -20,4 +20,9 @@ struct ReapOptions {
 /// Returns the names removed (or that would be, with dry_run).
 std::vector<std::string> reap_dead_segments(const ReapOptions& options);
 
+/// Note [Half-made segments]: `path` is one of our names (exact format) whose header was
+/// never written (a creator killed between creating the name and writing the header). Only
+/// meaningful once the creator is known dead.
+bool half_made_segment(const std::string& path);
+
 }  // namespace torch_mp_ext

@@ -40,6 +40,14 @@ void maybe_reap_on_unmap(Mapping& m) {
   if (referenced && !holders_of(h).any_alive()) unlink_name(m.name());
 }
 
+/// One handle in flight was redeemed. Never below zero: a handle redeemed twice (a pickle
+/// loaded twice) must not make every later reaper believe a message is still in flight.
+void drop_inflight(SegmentHeader* h) {
+  int64_t n = h->inflight.load(std::memory_order_acquire);
+  while (n > 0 && !h->inflight.compare_exchange_weak(n, n - 1, std::memory_order_acq_rel)) {
+  }
+}
+
 }  // namespace
 
 uint64_t refcount_underflows() { return g_underflows.load(); }
@@ -65,7 +73,9 @@ void decref_block(Mapping& mapping, uint32_t index) {
 // ---- BlockRef --------------------------------------------------------------------------
 
 BlockRef::BlockRef(std::shared_ptr<Mapping> mapping, uint32_t index)
-    : mapping_(std::move(mapping)), index_(index) {}
+    : mapping_(std::move(mapping)),
+      index_(index),
+      adopted_generation_(mapping_->slots()[index].generation.load(std::memory_order_acquire)) {}
 
 BlockRef::~BlockRef() { release(); }
 
@@ -290,7 +300,7 @@ std::unique_ptr<BlockRef> Registry::attach(const Handle& handle, double timeout)
     maybe_unmap_locked(mapping);  // a bad handle leaves no mapping behind
     throw;
   }
-  mapping->header()->inflight.fetch_sub(1, std::memory_order_acq_rel);
+  drop_inflight(mapping->header());
   return adopt_locked(mapping, handle.index);
 }
 
@@ -301,7 +311,7 @@ void Registry::release_handle(const Handle& handle, double timeout) {
     maybe_unmap_locked(mapping);  // not a block of this segment: nothing to drop
     return;
   }
-  mapping->header()->inflight.fetch_sub(1, std::memory_order_acq_rel);
+  drop_inflight(mapping->header());
   decref_block(*mapping, handle.index);
   maybe_unmap_locked(mapping);
 }
@@ -330,15 +340,16 @@ bool Registry::contains(uintptr_t address, size_t nbytes) {
 }
 
 bool Registry::share_address(uintptr_t address, size_t nbytes, Handle* out, size_t* offset) {
-  std::shared_ptr<Mapping> mapping;
+  // Note [No resurrection]: the new reference is only taken while this process provably
+  // holds one (its local count, under the lock), never on the strength of a refcount read
+  // earlier: a block whose count reached 0 may already be on the free stack, and a reference
+  // taken then would name the block's next allocation.
+  std::lock_guard<std::mutex> lock(mu_);
   uint32_t index = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Mapping* m = locate_locked(address, nbytes, &index, offset);
-    if (m == nullptr) return false;
-    mapping = by_id_.at(m->id());
-  }
-  BlockRef probe(mapping, index);  // not linked: only used to build the handle
+  Mapping* m = locate_locked(address, nbytes, &index, offset);
+  if (m == nullptr) return false;
+  if (m->local_counts.size() <= index || m->local_counts[index] == 0) return false;
+  BlockRef probe(by_id_.at(m->id()), index);  // not linked: only used to build the handle
   *out = probe.share();
   probe.live_ = false;
   return true;

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "shm/segment.h"
 
@@ -63,6 +64,7 @@ class BlockRef {
   friend class Registry;
   std::shared_ptr<Mapping> mapping_;
   uint32_t index_;
+  uint32_t adopted_generation_;  ///< the block's generation when adopted (Note [Audit])
   bool live_ = true;
   BlockRef* prev_ = nullptr;
   BlockRef* next_ = nullptr;
@@ -111,7 +113,14 @@ class Registry {
   /// returns how many were dropped.
   size_t reclaim_dead_holders();
   size_t reclaim_locked(Mapping& mapping);
+  /// Note [Reclaiming names at run time]: drops dead processes' references to named
+  /// segments created by this process or by dead ones; returns the names reclaimed.
+  std::vector<std::string> reclaim_named(const std::string& prefix);
   RegistryStats stats();
+  /// Note [Audit]: the invariants of every segment this process maps; one line per
+  /// violation (empty: all hold). Meaningful while no other process changes them.
+  /// `reclaimed`: dead processes' references should be gone too.
+  std::vector<std::string> audit(bool reclaimed);
 
   void atfork_prepare();
   void atfork_parent();

@@ -38,10 +38,11 @@ import inspect
 import logging
 import multiprocessing
 import os
+import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
-from ..errors import QueueClosedError
+from ..errors import PipelineError, QueueClosedError
 from ..processes.spawn import launch_plan
 from .links import Stop, Upstream
 from .run import Group, Running, launch, shutdown
@@ -123,8 +124,11 @@ class Pipeline(Iterator[Any]):
         try:
             return next(state.inlet)  # type: ignore[arg-type]
         except Upstream as up:
-            self.close()
             err = up.failure.error()
+            killed = self._killed_stage(state, isinstance(err.__cause__, OSError))
+            self.close()
+            if killed is not None:  # the cause: what the stage raised was its effect
+                raise killed from err
             raise err from err.__cause__
         except (Stop, QueueClosedError):
             if not state.closed:
@@ -134,6 +138,25 @@ class Pipeline(Iterator[Any]):
         except BaseException:  # the end (StopIteration), a dead stage, Ctrl-C
             self.close()
             raise
+
+    @staticmethod
+    def _killed_stage(state: Running, wait: bool) -> Optional[PipelineError]:
+        """The error for a stage killed by a signal, if one was: a stage that raised because
+        a peer died under it (an OSError: an fd it could no longer fetch from the dead one) is
+        not the one to name. ``wait``: give the death 0.2 s to be reported (a forkserver
+        reports its children's exits asynchronously)."""
+        deadline = time.monotonic() + (0.2 if wait else 0.0)
+        while True:
+            try:
+                state.check()
+            except PipelineError as died:
+                if died.signal_name is not None:
+                    return died
+            except Stop:
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
 
     def close(self) -> None:
         """Stops every stage and joins their processes; later ``next()`` ends the iteration."""

@@ -52,10 +52,18 @@ class Running:
         """The consumer's idle check: raises for a stage process that died."""
         if self.closed:  # by close() from another thread
             raise Stop
-        for process, role, slot in self.processes:
-            code = process.exitcode
-            if code is None or self.control[slot] == REPORTED:
-                continue
+        # A stage killed by a signal is the cause; others that exited since are its effects.
+        # The cause died first, so a second look finds it if the first polled it just before
+        # it died. Issue 12: the error named another stage's exit, without the SIGKILL, one
+        # time in several.
+        for _ in range(2):
+            dead = [(process, role, slot, process.exitcode)
+                    for process, role, slot in self.processes
+                    if self.control[slot] != REPORTED and process.exitcode is not None]
+            if not dead or any(code < 0 for *_, code in dead):
+                break
+        dead.sort(key=lambda d: d[3] >= 0)
+        for process, role, slot, code in dead[:1]:
             reason, explanation = _exits.explain_exit(code, oom_before=self.oom_before)
             if code == 0 or (self.control[slot] == NEW and code > 0):
                 explanation = (

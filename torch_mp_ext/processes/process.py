@@ -19,9 +19,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 from multiprocessing import context as _ctx
+from typing import Optional
 
 import torch
 
+from ..sharing import memory as _memory
 from ..sharing import strategy as sharing
 
 __all__ = ["ForkProcess", "SpawnProcess", "StrategyCarrier"]
@@ -52,6 +54,13 @@ class StrategyCarrier:
             super().start()  # type: ignore[misc]
         finally:
             _forking_our_child = False
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        super().join(timeout)  # type: ignore[misc]
+        code = self.exitcode  # type: ignore[attr-defined]
+        if code is not None and not getattr(self, "_tmx_reclaimed", False):
+            self._tmx_reclaimed = True
+            _memory.reclaim_after_death()
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

@@ -11,15 +11,16 @@ over the ring, so the standard Pool runs unchanged on torch_mp_ext's queues (no 
 method is overridden).
 
 The ``fileno()`` is a doorbell: a non-blocking pipe shared by every process holding the
-queue (inherited on fork, passed as ``DupFd`` when pickled) and a flag in shared memory
-meaning "a byte is in the pipe". A put rings (writes one byte) only when the flag was clear;
-a get settles: clears the flag, empties the pipe, then, if items remain, sets the flag and
-writes a byte whatever the flag said (a put may have set it and had its byte swallowed by the
-emptying). Any interleaving of these steps leaves the pipe readable whenever an item is
-queued (the flag and the ring state are read and written with sequentially consistent
-operations on both sides), and the pipe never holds more than a few bytes. Gets by
-processes that never look at ``_reader`` keep it honest too, so a waiter never spins on a
-stale byte for long.
+queue (inherited on fork, passed as ``DupFd`` when pickled) and a word in shared memory
+naming the process that owes the pipe a byte (Note [Doorbell] in ``csrc/queue/ring.h``). A
+put rings (writes one byte) only when it takes the word (clear, or naming a dead process);
+a get claims the word, empties the pipe, then writes a byte if items remain, or else clears
+the word and re-checks like a put. Any interleaving of these steps leaves the pipe readable
+whenever an item is queued, and the pipe never holds more than a few bytes. A process
+SIGKILLed between two of those steps leaves the word naming a dead process (or clear) and
+perhaps no byte: the next put, get, or ``fileno()`` call (``multiprocessing.connection.wait``
+asks for it each time it starts waiting) rings again. Gets by processes that never look at
+``_reader`` keep it honest too, so a waiter never spins on a stale byte for long.
 """
 
 from __future__ import annotations
@@ -27,11 +28,23 @@ from __future__ import annotations
 import multiprocessing.util
 import os
 import select
+import signal
 import threading
 from multiprocessing import reduction
 from typing import Any, Optional
 
 __all__ = ["SimpleQueueCompat"]
+
+#: Test hook (tests/test_crash_consistency.py): SIGKILL this process at one step of the
+#: doorbell protocol, as ``_C.set_crash_point`` does inside the ring.
+CRASH_RING_NO_BYTE = 1  # a put took the doorbell word, before its byte
+CRASH_GET_DRAINED = 2  # a get claimed the word and emptied the pipe, before re-ringing
+crash_point = 0
+
+
+def _maybe_crash(point: int) -> None:
+    if crash_point == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _close_fds(*fds: int) -> None:
@@ -74,7 +87,13 @@ class _Reader:
         return q._ring.qsize() > 0
 
     def fileno(self) -> int:
-        return self._q._doorbell[0]
+        q = self._q
+        try:
+            if q._ring.qsize() > 0:  # Note [Doorbell]: repair what a killed process left
+                q._ring_if_owed()
+        except ValueError:  # this queue object was closed: nothing to repair through it
+            pass
+        return q._doorbell[0]
 
     def close(self) -> None:
         pass
@@ -108,29 +127,36 @@ class SimpleQueueCompat:
         r, w = self._doorbell
         return reduction.DupFd(r), reduction.DupFd(w)
 
-    def _after_put(self) -> None:
+    def _ring_bell(self) -> None:
+        try:
+            os.write(self._doorbell[1], b"\0")
+        except BlockingIOError:  # the pipe is full of rings: readable already
+            pass
+
+    def _ring_if_owed(self) -> None:
         if self._ring.doorbell_should_ring():
-            try:
-                os.write(self._doorbell[1], b"\0")
-            except BlockingIOError:  # the pipe is full of rings: readable already
-                pass
+            _maybe_crash(CRASH_RING_NO_BYTE)
+            self._ring_bell()
+
+    def _after_put(self) -> None:
+        self._ring_if_owed()
 
     def _after_get(self) -> None:
+        # Note [Doorbell]: claim, drain, then ring if items remain, else clear and re-check.
         ring = self._ring
-        ring.doorbell_clear()
+        ring.doorbell_claim()
         try:
             while os.read(self._doorbell[0], 4096):
                 pass
         except BlockingIOError:
             pass
+        _maybe_crash(CRASH_GET_DRAINED)
         if ring.qsize() > 0:
-            # Ring whatever the flag says: a put may have set it and written its byte just
-            # before the drain above swallowed that byte.
-            ring.doorbell_should_ring()
-            try:
-                os.write(self._doorbell[1], b"\0")
-            except BlockingIOError:
-                pass
+            self._ring_bell()  # the word names us: a put meanwhile left the byte to us
+            return
+        ring.doorbell_release()
+        if ring.qsize() > 0:
+            self._ring_if_owed()
 
     def put_many(self, items: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         super().put_many(items, block, timeout)  # type: ignore[misc]

@@ -147,6 +147,17 @@ def numpy_in_blocks(enable: bool = True) -> bool:
     return True
 
 
+def reclaim_after_death() -> None:
+    """A child was joined: what dead processes held of named segments goes now (Note
+    [Reclaiming names at run time] in ``csrc/shm/reclaim_named.cpp``). Even a child that
+    exited normally may have been the last live holder of a name whose other holders were
+    killed, and found its creator (or another exiting holder) still alive when it let go.
+    Anonymous segments need nothing here: they vanish with their last mapping, and blocks of
+    this process's pools come back when they run dry or on ``empty_cache()``."""
+    if _used_file_system or get_sharing_strategy() == "file_system":
+        _C.reclaim_named_segments()
+
+
 def _release_at_exit() -> None:
     _C.release_all()
     if _used_file_system:

@@ -40,8 +40,11 @@ A value that arrives while the caller waits for it should not need a second thre
 the caller: handing the GIL from a busy collector thread to a waiting one can take the
 interpreter's whole switch interval (5 ms). So whoever waits (``next()``, ``get()``) reads the
 result queue itself, under the pool's pump lock, and handles every message it finds, for
-any task. The collector thread reads it only while no one has waited for 10 ms, and checks
-for dead workers every 20 ms either way.
+any task. The collector thread reads it only while no one has waited for 10 ms. Dead
+workers are looked for every 20 ms by whoever holds the pump lock (``_check_now``): a caller
+that keeps waiting re-takes the lock at once each slice, and Python's locks are not fair, so
+the collector alone could starve for seconds with a dead worker's task never failed (a
+SIGKILLed worker was noticed 1 to 8 s late under load; issue 12).
 
 Note [Counts that differ from num_returns]
 A fixed ``num_returns=k`` generator has its first k-1 values sent as yielded; the k-th is
@@ -139,6 +142,7 @@ class TaskPool(TaskState):
         self._thread: threading.Thread | None = None
         self._pump = threading.Lock()
         self._consumer_until = 0.0
+        self._last_check = 0.0
         self._stopped = False
         try:
             for _ in range(count):
@@ -328,22 +332,25 @@ class TaskPool(TaskState):
         self._results.close()
 
     # -- reading results: Note [Who reads the result queue] ---------------------------------
+    def _check_now(self) -> None:
+        """Looks for dead workers if nobody did for 20 ms (the pump lock held)."""
+        now = time.monotonic()
+        if now - self._last_check > 0.02:
+            self._last_check = now
+            with STATE:
+                self._check_workers()
+                self._dispatch()
+                STATE.notify_all()
+
     def _collect(self) -> None:
-        last_check = 0.0
         while True:
             with STATE:
                 if self._closing and not self._tasks:
                     break
-            now = time.monotonic()
-            consumer = now < self._consumer_until
+            consumer = time.monotonic() < self._consumer_until
             if self._pump.acquire(timeout=0.02):
                 try:
-                    if now - last_check > 0.02:
-                        last_check = now
-                        with STATE:
-                            self._check_workers()
-                            self._dispatch()
-                            STATE.notify_all()
+                    self._check_now()
                     if not consumer:
                         self._pump_once(0.02)
                 finally:
@@ -378,6 +385,7 @@ class TaskPool(TaskState):
                     with STATE:
                         if ready():
                             return
+                    self._check_now()
                     self._pump_once(step)
                 finally:
                     self._pump.release()
