@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+import bench_json
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -62,6 +63,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--methods", default="fork,spawn")
+    bench_json.add_argument(parser)
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
     results: Dict[tuple, List[float]] = {}
@@ -81,6 +83,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"DataLoader, {args.workers} workers, batch {args.batch_size} (3x32x32 float tensor, "
           f"label, 64-float array per sample), {args.batches} batches, median of "
           f"{args.rounds} interleaved rounds; torch {torch.__version__}")
+    if args.json:
+        bench_json.write(args.json, "bench_dataloader", [
+            {"series": context, "start_method": method,
+             "median_batches_per_s": statistics.median(rates), "samples_batches_per_s": rates}
+            for (method, context), rates in results.items()
+        ], params=vars(args), rows_doc="DataLoader batches/s per context and start method")
     return 0
 
 

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 
+import bench_json
 import torch
 
 COLLECTORS = 3
@@ -286,6 +287,7 @@ def main() -> int:
     parser.add_argument("--mbytes", type=int, default=100)
     parser.add_argument("--side", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--live", action="store_true", help=argparse.SUPPRESS)
+    bench_json.add_argument(parser)
     args = parser.parse_args()
     if args.side:
         kind = args.side[0]
@@ -344,6 +346,18 @@ def main() -> int:
           f"{'PASS' if queue >= 5 else 'MISS'}")
     print(f"gloo broadcast / torch_mp_ext: {gloo:.1f}x (target >= 2x) "
           f"{'PASS' if gloo >= 2 else 'MISS'}")
+    if args.json:
+        rows = [{"series": name, "nbytes": nbytes, "median_s": med[name], "samples_s": ts}
+                for name, ts in times.items()]
+        rows.append({"series": "torch_mp_ext read_into (one reader)", "nbytes": nbytes,
+                     "median_s": cost["read"]})
+        rows.append({"series": "memcpy floor", "floor": True, "nbytes": nbytes,
+                     "median_s": cost["memcpy"]})
+        bench_json.write(args.json, "bench_exchange", rows,
+                         params={"repeats": args.repeats, "mbytes": args.mbytes,
+                                 "collectors": COLLECTORS, "wrong": wrong},
+                         rows_doc="seconds until every collector has loaded a published "
+                                  "state_dict, per contender")
     if wrong:
         print(f"WRONG WEIGHTS LOADED: {wrong}")
         return 1

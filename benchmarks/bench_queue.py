@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+import bench_json
 import torch.multiprocessing
 
 import torch_mp_ext
@@ -119,6 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
     parser.add_argument("--small-items", type=int, default=100_000)
     parser.add_argument("--big-items", type=int, default=600)
+    bench_json.add_argument(parser)
     args = parser.parse_args(argv)
 
     libs = ["torch_mp_ext", "multiprocessing", "torch.multiprocessing"]
@@ -166,6 +168,14 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"per run. * no batch API: put/get one item at a time.")
     for note in notes:
         print(note)
+    if args.json:
+        bench_json.write(args.json, "bench_queue", [
+            {"series": lib, "items": name, "mode": mode, "n": n,
+             "batched_api": batched and has_batches(lib),
+             "median_items_per_s": statistics.median(results[(r, lib)]),
+             "samples_items_per_s": results[(r, lib)]}
+            for r, (name, mode, _item, n, batched) in enumerate(rows) for lib in libs
+        ], params=vars(args), rows_doc="items/s, 1 producer -> 1 consumer, per queue and workload")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"torch_mp_ext {torch_mp_ext.__version__}"
           + (f", faster-fifo {importlib.metadata.version('faster-fifo')}" if faster_fifo else ""))

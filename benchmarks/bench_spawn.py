@@ -28,6 +28,8 @@ import torch
 import torch.multiprocessing as torch_mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_json
+
 import torch_mp_ext as tmx
 
 VARIANTS = {
@@ -104,6 +106,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--cold-one", nargs=2, metavar=("VARIANT", "N"), help=argparse.SUPPRESS)
+    bench_json.add_argument(parser)
     args = parser.parse_args()
     if args.cold_one:
         variant, n = args.cold_one
@@ -111,6 +114,14 @@ def main() -> None:
         return
     times = measure(args.nprocs, args.repeat)
     print(table(times, args.nprocs, args.repeat))
+    if args.json:
+        bench_json.write(args.json, "bench_spawn", [
+            {"series": v, "nprocs": n, "call": call, "median_s": statistics.median(ts),
+             "samples_s": ts}
+            for (v, n, call), ts in times.items()
+        ], params={"repeat": args.repeat, "nprocs": args.nprocs},
+            rows_doc="seconds to start nprocs workers running a tiny op and join them; "
+                     "cold: first call in a fresh interpreter, warm: a repeated call")
 
 
 if __name__ == "__main__":

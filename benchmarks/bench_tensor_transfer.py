@@ -12,6 +12,7 @@ them into shared memory at ``put``); *pre-shared* ones were put there before the
 started (torch: ``share_memory_()``; torch_mp_ext: born in the arena with ``mp.empty``).
 
     python benchmarks/bench_tensor_transfer.py [--repeats 15] [--transport simple|queue]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import bench_json
 import torch
 
 from torch_mp_ext_demo import handoff
@@ -53,6 +55,23 @@ def targets(results: handoff.Results) -> list[str]:
     return lines
 
 
+def write_json(args: argparse.Namespace, results: handoff.Results) -> None:
+    rows = [{"series": "memcpy floor", "floor": True, "nbytes": n, "median_s": s}
+            for n, s in results.memcpy.items()]
+    for v in results.variants:
+        for n in results.sizes:
+            samples = results.seconds[(v.label, n)]
+            rows.append({"series": v.label, "library": v.lib, "variant": v.variant,
+                         "strategy": v.strategy, "nbytes": n,
+                         "median_s": results.median(v.label, n), "samples_s": samples})
+    bench_json.write(args.json, "bench_tensor_transfer", rows,
+                     params={"repeats": args.repeats, "warmups": args.warmups,
+                             "transport": args.transport, "sizes": results.sizes,
+                             "failures": results.failures},
+                     rows_doc="hand-off seconds per series (library, variant, strategy) and "
+                              "size; floor rows are lower bounds (in-process memcpy)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -63,6 +82,7 @@ def main() -> int:
     parser.add_argument("--transport", choices=["simple", "queue"], default="simple",
                         help="simple: each library's SimpleQueue (a pipe, pickled in the "
                              "caller's thread); queue: each library's Queue")
+    bench_json.add_argument(parser)
     args = parser.parse_args()
     sizes = [SIZES[s] for s in args.sizes.split(",")]
     print(f"Tensor hand-off, put() until the consumer holds it: median of {args.repeats} "
@@ -76,6 +96,8 @@ def main() -> int:
     print()
     print(handoff.format_table(results))
     print()
+    if args.json:
+        write_json(args, results)
     if results.failures:
         print(f"WRONG DATA: {results.failures}")
         return 1

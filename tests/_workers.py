@@ -59,6 +59,24 @@ def receive_many_under_fd_limit(q, out, count, limit):
              float(sum(t[0].item() for t in held)), len(os.listdir("/proc/self/fd"))))
 
 
+def receive_at_fd_limit(q, out):
+    """Opens files until EMFILE, then receives a tensor in a segment it has not mapped yet."""
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    try:
+        q.get(timeout=60)
+        out.put(("received", ""))
+    except OSError as e:
+        out.put((type(e).__name__, f"{e.errno} {e}"))
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
 def sigkill_self():
     os.kill(os.getpid(), signal.SIGKILL)
 

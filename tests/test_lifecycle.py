@@ -176,6 +176,30 @@ def test_ten_thousand_live_tensors_under_a_low_fd_limit():
         queue.join_thread()
 
 
+@pytest.mark.no_leak_check
+def test_out_of_fds_error_names_the_limit_and_the_fix():
+    """A receiver already at its open-file limit: the error says so (docs/troubleshooting.md).
+
+    The message the receiver could not rebuild still holds its block (as an undelivered
+    message does), so this process keeps that segment: the leak check would count its fd.
+    """
+    ctx = mp.get_context("fork")
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_workers.receive_at_fd_limit, args=(q, out))
+    p.start()
+    q.put(mp.empty(1 << 20))  # a segment of its own, made after the fork
+    kind, message = out.get(timeout=60)
+    p.join(60)
+    assert p.exitcode == 0
+    assert kind == "SharedMemoryError", (kind, message)
+    assert message.startswith("24 ")  # EMFILE
+    assert "open-file limit (RLIMIT_NOFILE=" in message and "ulimit -n" in message
+    for queue in (q, out):
+        queue.close()
+        queue.join_thread()
+    assert not p.is_alive() and not mp.active_children()
+
+
 def _in_small_dev_shm(script: str, size: str = "8m") -> subprocess.CompletedProcess:
     """Runs `script` in a private mount namespace whose /dev/shm is a small tmpfs."""
     shell = f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} -c \"$0\""

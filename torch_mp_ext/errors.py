@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import errno as _errno
+import resource as _resource
 import traceback
 from typing import Any
 
@@ -199,6 +200,20 @@ class CudaSharingWarning(RuntimeWarning):
 _OSERROR_AS_SHARED_MEMORY = {_errno.ENOSPC, _errno.ENOMEM, _errno.EMFILE, _errno.ENFILE}
 
 
+def _with_fd_fix(err: int, message: str) -> str:
+    """Adds the cause and the fix to an out-of-fds error that does not name them yet."""
+    if err == _errno.EMFILE and "RLIMIT_NOFILE" not in message:
+        soft, hard = _resource.getrlimit(_resource.RLIMIT_NOFILE)
+        return (f"{message}. This process is at its open-file limit (RLIMIT_NOFILE={soft}, "
+                f"hard limit {hard}): raise it (`ulimit -n {max(soft * 4, 65536)}` in the shell "
+                "that starts Python, `docker run --ulimit nofile=65536:65536`, or "
+                "resource.setrlimit at startup), or close files and sockets sooner")
+    if err == _errno.ENFILE:
+        return (f"{message}. The system-wide table of open files is full: raise "
+                "fs.file-max (sysctl) or stop processes holding many files")
+    return message
+
+
 def oserror(err: int, message: str, resource: str) -> OSError:
     """The exception for a failed system call (used by the C++ core's translator).
 
@@ -206,7 +221,7 @@ def oserror(err: int, message: str, resource: str) -> OSError:
     subclass Python picks for the errno (``FileNotFoundError`` for ENOENT, ...).
     """
     if err in _OSERROR_AS_SHARED_MEMORY:
-        return SharedMemoryError(err, message, resource)
+        return SharedMemoryError(err, _with_fd_fix(err, message), resource)
     return OSError(err, message, resource)
 
 

@@ -87,6 +87,8 @@ __all__ = [
 ]
 
 shared_cache = SharedCache()
+"""Storages rebuilt or sent by this process, by handle: the same block rebuilds as the same
+storage (torch's ``shared_cache``, keyed by our handles)."""
 
 def _cache_key(handle: tuple, offset: int, nbytes: int) -> tuple:
     # (segment id, block index, generation, offset, nbytes): Note [Identity of rebuilt storages]
@@ -105,6 +107,7 @@ def storage_from_cache(cls: Any, key: Any) -> torch.UntypedStorage | None:
 
 
 def rebuild_storage_empty(cls: Any) -> Any:
+    """Rebuilds an empty storage (nothing to share)."""
     return cls()
 
 
@@ -160,6 +163,7 @@ def reduce_storage(storage: torch.UntypedStorage) -> tuple:
 
 
 def rebuild_tensor(cls: Any, storage: Any, metadata: tuple) -> torch.Tensor:
+    """Rebuilds a tensor (or ``Parameter``) on a rebuilt storage, as torch's does."""
     storage_offset, size, stride, requires_grad = metadata
     t = torch._utils._rebuild_tensor(storage, storage_offset, size, stride)
     if cls == torch.nn.parameter.Parameter:

@@ -265,8 +265,10 @@ class PeriodicalModelExchanger(_Receiver):
         stale_toleration: iterations a receiver may go on with the weights it has.
         event_name: the seed's bus topic; here it names the exchanger in warnings.
         model_loader: must be None (see :class:`ModelExchanger`).
-        channel, backend, learner_rank, timeout: as for :class:`ModelExchanger` (the sender
-            is the learner).
+        channel: as for :class:`ModelExchanger`.
+        backend: as for :class:`ModelExchanger` (the sender is the learner).
+        learner_rank: as for :class:`ModelExchanger`.
+        timeout: as for :class:`ModelExchanger`.
 
     Raises:
         ValueError: an unknown mode, a period below 1, a negative toleration.

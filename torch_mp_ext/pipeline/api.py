@@ -51,8 +51,8 @@ __all__ = ["pipeline", "stage", "Pipeline", "Stage", "SHUTDOWN_GRACE_S"]
 
 log = logging.getLogger("torch_mp_ext.pipeline")
 
-#: Seconds a shutdown waits for stages to stop by themselves before terminating them.
 SHUTDOWN_GRACE_S = float(os.environ.get("TORCH_MP_EXT_PIPELINE_GRACE_S", 5.0))
+"""Seconds a shutdown waits for stages to stop by themselves before terminating them."""
 
 
 def _name(fn: Any) -> str:

@@ -143,3 +143,5 @@ class DefaultContext(_ctx.BaseContext):
 
 
 default_context = DefaultContext()
+"""The context the top-level names (``mp.Process``, ``mp.Queue``, ``mp.get_context`` ...) are
+bound to, as ``multiprocessing`` binds them to its own default context."""

@@ -42,6 +42,8 @@ from .context import default_context
 from .worker import FAULT_SUFFIX, read_error_file, remove_files, wrap
 
 ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
+"""torch's environment variable: ``0`` starts forkserver workers one after another through
+the standard library's forkserver (torch's behaviour); ``1`` or unset, the fast path."""
 
 # torch's logger name: handlers, filters and tests written for torch see our records too.
 log = logging.getLogger("torch.multiprocessing.spawn")

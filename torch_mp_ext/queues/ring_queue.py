@@ -63,11 +63,13 @@ from .compat import SimpleQueueCompat
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES"]
 
-#: Bytes of pickled items a queue holds by default: its shared-memory footprint is this plus
-#: one page (memory reserved at creation, tensors and arrays not counted).
 #: Largest ring a queue can have (the core's MAX_RING_CAPACITY).
 MAX_QUEUE_BYTES = 2**31
 DEFAULT_MAX_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_BYTES", 4 * 1024 * 1024 - 4096))
+"""Bytes of pickled items a queue holds by default (``TORCH_MP_EXT_QUEUE_BYTES``): its
+shared-memory footprint is this plus one page (reserved at creation; tensors and arrays
+count only for their handles)."""
+
 #: Busy-wait before a blocked get/put sleeps (Note [Why not pthread_cond_t]).
 SPIN_NS = int(os.environ.get("TORCH_MP_EXT_QUEUE_SPIN_NS", 50_000))
 

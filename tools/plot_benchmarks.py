@@ -1,0 +1,240 @@
+"""Turns benchmark results (``--json PATH`` of benchmarks/bench_*.py) into PNG plots.
+
+    python tools/plot_benchmarks.py RESULTS.json [...] --out docs/img
+
+One PNG per file, named after its benchmark (``handoff.png`` for bench_tensor_transfer, with
+``-queue`` appended for ``--transport queue``; ``queue.png``, ``spawn.png``,
+``dataloader.png``, ``exchange.png``). Each plot says under its title the command and the
+machine that made it. Needs matplotlib (the ``docs`` extra); draws without a display (Agg).
+
+- hand-off: median time from ``put()`` until the consumer holds the tensor vs tensor size,
+  one line per library and variant, log-log; floors (rows marked ``floor``: the in-process
+  memcpy, a ping-pong round trip when present) dashed in grey.
+- queue: items/s per workload and queue (log scale), grouped bars.
+- spawn: seconds to start N workers and join them, cold and warm, per way of starting.
+- dataloader: batches/s per start method, default context vs torch_mp_ext's.
+- exchange: ms until every collector has loaded a state_dict, per contender; floor dashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+from typing import Any, Callable
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display needed
+import matplotlib.pyplot as plt  # after choosing the backend
+
+FORMAT = "torch_mp_ext-bench/1"
+OURS = ("tmx", "torch_mp_ext")  # series names starting with these are torch_mp_ext's
+
+
+def load(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a benchmark result of format {FORMAT!r} "
+                         f"(got {doc.get('format')!r}); write one with --json PATH")
+    if not doc.get("rows"):
+        raise ValueError(f"{path}: has no rows")
+    return doc
+
+
+def provenance(doc: dict[str, Any]) -> str:
+    """Two lines naming the command and the machine."""
+    m, v = doc["machine"], doc["versions"]
+    mem = f", {m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else ""
+    load = f", load {m['loadavg'][0]:.1f}" if m.get("loadavg") else ""
+    return (f"{doc['command']}\n{m['cpu']}, {m['cpus']} CPUs{mem}, {m['system']}{load}; "
+            f"Python {v.get('python')}, torch {v.get('torch', '?')}; {doc['created']}")
+
+
+def _figure(doc: dict[str, Any], title: str, width: float = 8.0) -> tuple[Any, Any]:
+    fig, ax = plt.subplots(figsize=(width, 5.2))
+    fig.suptitle(title, fontsize=12)
+    fig.text(0.5, 0.005, provenance(doc), ha="center", va="bottom", fontsize=6.5,
+             color="#555555", wrap=True)
+    return fig, ax
+
+
+def _style(series: str) -> dict[str, Any]:
+    ours = series.startswith(OURS)
+    return {"linewidth": 2.2 if ours else 1.3, "marker": "o" if ours else ".",
+            "linestyle": "-" if ours else "--" if "pre-shared" in series else "-"}
+
+
+def _save(fig: Any, path: str) -> str:
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _human_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n:g} B"
+
+
+def plot_handoff(doc: dict[str, Any], path: str) -> str:
+    transport = doc["params"].get("transport", "simple")
+    fig, ax = _figure(doc, f"Tensor hand-off: put() until the consumer holds it "
+                           f"(median, {transport} transport)")
+    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    floors = set()
+    for row in doc["rows"]:
+        series[row["series"]].append((row["nbytes"], row["median_s"]))
+        if row.get("floor"):
+            floors.add(row["series"])
+    for name, points in series.items():
+        points.sort()
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        if name in floors:
+            ax.plot(xs, ys, color="grey", linestyle=":", linewidth=2, label=f"{name}")
+        else:
+            ax.plot(xs, ys, label=name, **_style(name))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    sizes = sorted({row["nbytes"] for row in doc["rows"]})
+    ax.set_xticks(sizes, [_human_bytes(s) for s in sizes])
+    ax.set_xlabel("tensor size")
+    ax.set_ylabel("seconds (log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def _short(v: float) -> str:
+    """3 significant digits with k/M: 1.99e+05 -> 199k."""
+    for suffix, scale in (("M", 1e6), ("k", 1e3)):
+        if v >= scale:
+            return f"{v / scale:.3g}{suffix}"
+    return f"{v:.3g}"
+
+
+def _grouped_bars(ax: Any, groups: list[str], series: list[str],
+                  value: Callable[[str, str], float | None]) -> None:
+    width = 0.8 / max(len(series), 1)
+    for i, name in enumerate(series):
+        xs, ys = [], []
+        for g, group in enumerate(groups):
+            v = value(group, name)
+            if v is not None:
+                xs.append(g + (i - (len(series) - 1) / 2) * width)
+                ys.append(v)
+        bars = ax.bar(xs, ys, width, label=name,
+                      edgecolor="black" if name.startswith(OURS) else None)
+        ax.bar_label(bars, labels=[_short(y) for y in ys], fontsize=6, padding=1)
+    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def _ordered(values: Any) -> list[str]:
+    return list(dict.fromkeys(values))
+
+
+def plot_queue(doc: dict[str, Any], path: str) -> str:
+    fig, ax = _figure(doc, "Queue throughput, 1 producer -> 1 consumer (median items/s)", 9)
+    rows = doc["rows"]
+    groups = _ordered(f"{r['items']}\n{r['mode']}" for r in rows)
+    series = _ordered(r["series"] for r in rows)
+    cell = {(f"{r['items']}\n{r['mode']}", r["series"]): r["median_items_per_s"] for r in rows}
+    _grouped_bars(ax, groups, series, lambda g, s: cell.get((g, s)))
+    ax.set_yscale("log")
+    ax.set_ylabel("items/s (log)")
+    return _save(fig, path)
+
+
+def plot_spawn(doc: dict[str, Any], path: str) -> str:
+    fig, ax = _figure(doc, "Start N workers running a tiny op and join them (median s)")
+    rows = doc["rows"]
+    groups = _ordered(f"N={r['nprocs']}, {r['call']}" for r in
+                      sorted(rows, key=lambda r: (r["nprocs"], r["call"])))
+    series = _ordered(r["series"] for r in rows)
+    cell = {(f"N={r['nprocs']}, {r['call']}", r["series"]): r["median_s"] for r in rows}
+    _grouped_bars(ax, groups, series, lambda g, s: cell.get((g, s)))
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (log)")
+    return _save(fig, path)
+
+
+def plot_dataloader(doc: dict[str, Any], path: str) -> str:
+    fig, ax = _figure(doc, "DataLoader throughput (median batches/s)", 6.5)
+    rows = doc["rows"]
+    groups = _ordered(r["start_method"] for r in rows)
+    series = _ordered(r["series"] for r in rows)
+    cell = {(r["start_method"], r["series"]): r["median_batches_per_s"] for r in rows}
+    _grouped_bars(ax, groups, series, lambda g, s: cell.get((g, s)))
+    ax.set_ylabel("batches/s")
+    ax.set_xlabel("start method")
+    return _save(fig, path)
+
+
+def plot_exchange(doc: dict[str, Any], path: str) -> str:
+    nbytes = doc["rows"][0]["nbytes"]
+    collectors = doc["params"].get("collectors", "?")
+    fig, ax = _figure(doc, f"Model exchange: a {nbytes / 1e6:.0f} MB state_dict to "
+                           f"{collectors} collectors (median ms)")
+    rows = [r for r in doc["rows"] if not r.get("floor")]
+    names = [r["series"] for r in rows]
+    ms = [r["median_s"] * 1e3 for r in rows]
+    colors = ["tab:blue" if n.startswith(OURS) else "tab:orange" for n in names]
+    bars = ax.barh(names, ms, color=colors)
+    ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=2)
+    for r in doc["rows"]:
+        if r.get("floor"):
+            ax.axvline(r["median_s"] * 1e3, color="grey", linestyle=":", linewidth=2,
+                       label=f"{r['series']} ({r['median_s'] * 1e3:.1f} ms)")
+            ax.legend(fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms until every collector has loaded it")
+    ax.grid(True, axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+PLOTS: dict[str, tuple[str, Callable[[dict[str, Any], str], str]]] = {
+    "bench_tensor_transfer": ("handoff", plot_handoff),
+    "bench_queue": ("queue", plot_queue),
+    "bench_spawn": ("spawn", plot_spawn),
+    "bench_dataloader": ("dataloader", plot_dataloader),
+    "bench_exchange": ("exchange", plot_exchange),
+}
+
+
+def plot_file(path: str, out_dir: str) -> str:
+    """Plots one result file into ``out_dir``; returns the PNG's path."""
+    doc = load(path)
+    if doc["benchmark"] not in PLOTS:
+        raise ValueError(f"{path}: no plot for benchmark {doc['benchmark']!r} "
+                         f"(known: {', '.join(PLOTS)})")
+    stem, plot = PLOTS[doc["benchmark"]]
+    if doc["benchmark"] == "bench_tensor_transfer" and doc["params"].get("transport") == "queue":
+        stem += "-queue"
+    os.makedirs(out_dir, exist_ok=True)
+    return plot(doc, os.path.join(out_dir, f"{stem}.png"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", help="JSON files written by a benchmark's --json")
+    parser.add_argument("--out", default=os.path.join("docs", "img"),
+                        help="directory for the PNGs (default docs/img)")
+    args = parser.parse_args(argv)
+    for path in args.results:
+        try:
+            print(plot_file(path, args.out))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"plot_benchmarks: {path}: {e!r}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
