@@ -54,7 +54,16 @@ import weakref
 from typing import Any, Iterable, List, NoReturn, Optional
 
 from . import _C
-from ._pickling import TAG_BYTES, decode, dumps, loads, release_frame
+from ._pickling import (
+    OOL_BYTES,
+    TAG_BLOCK,
+    TAG_BYTES,
+    decode,
+    dump_item,
+    loads,
+    release_frame,
+    to_block,
+)
 from ._queue_compat import SimpleQueueCompat
 from .errors import QueueClosedError
 from .sharing import get_all_sharing_strategies
@@ -64,6 +73,9 @@ __all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES"]
 #: Bytes of pickled items a queue holds by default: its shared-memory footprint is this plus
 #: one page (memory reserved at creation, tensors and arrays not counted).
 DEFAULT_MAX_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_BYTES", 4 * 1024 * 1024 - 4096))
+#: Bytes of frames a queue made without ``max_bytes`` may grow to (Note [Ring growth] in
+#: ``csrc/queue/ring.h``): address space mapped in each holder, pages only as used.
+MAX_GROW_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_MAX_BYTES", 64 << 30))
 #: Busy-wait before a blocked get/put sleeps (Note [Why not pthread_cond_t]).
 SPIN_NS = int(os.environ.get("TORCH_MP_EXT_QUEUE_SPIN_NS", 50_000))
 
@@ -136,13 +148,22 @@ class _RingQueue:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 16:
             raise ValueError(f"max_bytes must be an integer of at least 16, got {max_bytes!r}")
         self._maxsize = maxsize if maxsize > 0 else 0
-        block = _C.allocate(_C.Ring.footprint(capacity), _RING_NAMED)
-        self._setup(_C.Ring.create(block, capacity, self._maxsize, self._joinable, SPIN_NS))
+        if max_bytes is not None or MAX_GROW_BYTES <= capacity:
+            block = _C.allocate(_C.Ring.footprint(capacity), _RING_NAMED)
+            ring = _C.Ring.create(block, capacity, self._maxsize, self._joinable, SPIN_NS)
+        else:  # Note [Ring growth]: one sparse segment, grown in place
+            block = _C.allocate_sparse(_C.Ring.footprint(MAX_GROW_BYTES),
+                                       _C.Ring.footprint(capacity), _RING_NAMED)
+            ring = _C.Ring.create(block, capacity, self._maxsize, self._joinable, SPIN_NS,
+                                  MAX_GROW_BYTES, _RING_NAMED or _C.anonymous_backend() == "shm")
+        self._setup(ring)
 
     def _setup(self, ring: _C.Ring) -> None:
         self._ring = ring
         self._closed = False
-        self._max_payload = ring.capacity - _C.Ring.frame_bytes(0)
+        self._max_payload = ring.max_capacity - _C.Ring.frame_bytes(0)
+        # Note [Large items out of line]: larger frames go to an arena block.
+        self._ool = min(OOL_BYTES, ring.capacity // 4)
         _held.add(ring)
         self._finalizer = multiprocessing.util.Finalize(self, _let_go, args=(ring,))
 
@@ -204,10 +225,11 @@ class _RingQueue:
             self._check_closed()
         if type(obj) is bytes:
             tag, data = TAG_BYTES, obj
+            if len(obj) > self._ool:
+                tag, data = TAG_BLOCK, to_block(TAG_BYTES, (obj,))
         else:
-            tag = 0
             try:
-                data = dumps(obj)
+                tag, data = dump_item(obj, self._ool)
             except Exception as exc:
                 self._note(exc, obj)
                 raise
@@ -255,31 +277,32 @@ class _RingQueue:
         """
         self._check_closed()
         payloads: List[bytes] = []
+        tags: Optional[List[int]] = None
         append = payloads.append
-        limit = self._max_payload
+        limit = self._ool
         obj: Any = None
         try:
             for obj in items:  # bytes items are pickled too here: one tag for the batch
-                data = dumps(obj)
-                if len(data) > limit:
-                    break
+                tag, data = dump_item(obj, limit)
+                if tag and tags is None:
+                    tags = [0] * len(payloads)
+                if tags is not None:
+                    tags.append(tag)
                 append(data)
-            else:
-                obj = None
         except Exception as exc:
             self._note(exc, obj)
+            for i, data in enumerate(payloads):
+                release_frame(tags[i] if tags else 0, data)
             raise
-        if obj is not None:
-            raise self._oversize(obj, len(data))
         if not payloads:
             return
         status = -1
         try:
-            status = self._ring.put_many(payloads, None, _timeout(block, timeout))
+            status = self._ring.put_many(payloads, tags, _timeout(block, timeout))
         finally:
             if status:  # Note [Failed puts]
-                for data in payloads:
-                    release_frame(0, data)
+                for i, data in enumerate(payloads):
+                    release_frame(tags[i] if tags else 0, data)
         if status:
             self._raise(status)
 
@@ -329,7 +352,7 @@ class _RingQueue:
         count, used, _ = self._ring.counts()
         if self._maxsize and count >= self._maxsize:
             return True
-        return used + _C.Ring.frame_bytes(1) > self._ring.capacity
+        return used + _C.Ring.frame_bytes(1) > self._ring.max_capacity
 
     def close(self) -> None:
         """Closes this queue object in this process: later calls on it raise ``ValueError``
@@ -351,7 +374,7 @@ class _RingQueue:
     @property
     def max_bytes(self) -> int:
         """Bytes of frames (pickled items plus 8 bytes each) the queue holds at most."""
-        return self._ring.capacity
+        return self._ring.max_capacity
 
     @property
     def maxsize(self) -> int:

@@ -67,15 +67,16 @@ std::string no_space_hint(size_t size, bool in_dev_shm) {
 
 /// ftruncate + posix_fallocate: pages are reserved now, so a full /dev/shm is an error here
 /// instead of a SIGBUS at first touch (Note [Segment layout]).
-void reserve(int fd, size_t size, const std::string& resource, bool in_dev_shm) {
+/// `upto`: bytes from the start to reserve (the rest stays sparse: Note [Ring growth]).
+void reserve(int fd, size_t size, size_t upto, const std::string& resource, bool in_dev_shm) {
   TMX_SYSCHECK(::ftruncate(fd, static_cast<off_t>(size)), "ftruncate", resource);
   int rc;
   do {
-    rc = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+    rc = ::posix_fallocate(fd, 0, static_cast<off_t>(upto));
   } while (rc == EINTR);
   if (rc == 0 || rc == EINVAL || rc == EOPNOTSUPP) return;  // no fallocate on this fs: as torch
   std::string hint;
-  if (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) hint = no_space_hint(size, in_dev_shm);
+  if (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) hint = no_space_hint(upto, in_dev_shm);
   throw SyscallError(rc, "posix_fallocate", resource, hint);
 }
 
@@ -236,7 +237,9 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
   }
   char* base = nullptr;
   try {
-    reserve(fd.get(), size, resource, in_dev_shm);
+    size_t upto = spec.reserve_bytes == 0 ? size
+                                          : std::min(size, data_offset + spec.reserve_bytes);
+    reserve(fd.get(), size, upto, resource, in_dev_shm);
     base = map_fd(fd.get(), size, resource);
     init_header(base, size, data_offset, spec, name);
   } catch (...) {
@@ -332,6 +335,14 @@ bool any_live_holder(SegmentHeader* h, uint64_t except_key) {
     if (process_alive(pid, static_cast<uint32_t>(key))) return true;
   }
   return false;
+}
+
+}  // namespace torch_mp_ext
+
+namespace torch_mp_ext {
+
+std::string no_space_message(size_t size, bool in_dev_shm) {
+  return no_space_hint(size, in_dev_shm);
 }
 
 }  // namespace torch_mp_ext
