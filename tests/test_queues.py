@@ -196,6 +196,7 @@ def test_joinable_queue_semantics():
         q.get(timeout=T)
         q.task_done()
     assert q.join(timeout=T) is True
+    assert q.join() is None  # as multiprocessing's
     with pytest.raises(ValueError, match="too many"):
         q.task_done()
 
@@ -213,6 +214,22 @@ def test_joinable_queue_across_processes():
     for p in procs:
         p.join(T)
     assert q.join(timeout=T)
+
+
+def test_simple_queue_ends_are_connection_like():
+    q = SimpleQueue()
+    reader, writer = q._reader, q._writer
+    assert reader.readable and not reader.writable and writer.writable
+    assert not reader.closed and not writer.closed and reader.fileno() >= 0
+    writer.send(3)
+    assert multiprocessing.connection.wait([reader], timeout=T) == [reader] and reader.poll()
+    assert reader.recv() == 3 and not reader.poll(0.01)
+    q.close()
+    assert reader.closed and writer.closed  # CPython's TestSimpleQueue.test_closed
+    with pytest.raises(OSError, match="closed"):
+        reader.fileno()
+    with pytest.raises(OSError, match="closed"):
+        reader.poll()
 
 
 def test_simple_queue_api_and_doorbell():

@@ -10,8 +10,11 @@ Note [Children die with their parent]
 torch's children ask for SIGINT when their parent dies, which a child can catch (torch's own
 ``_wrap`` turns it into a clean exit) or not see while stuck in native code. Ours ask for
 SIGKILL, which always works, and check right after asking that the parent did not die before
-(the window of a spawn child's start-up). The kernel sends the signal when the thread that
-started the child ends, so start long-lived workers from a long-lived thread. Through the fast
+(the window of a spawn child's start-up). The kernel sends that signal when the *thread* that
+started the child ends, so children started from any thread but the main one (a short-lived
+thread calling ``start_processes(join=False)``) do not ask for it: they watch their parent
+*process* instead, from a native thread waiting on its pidfd (``how == "process"``), which
+needs no GIL and so works while the child is stuck in native code. Through the fast
 forkserver the parent is the server, which dies with its launcher (see
 ``_forkserver.py``); through the standard library's forkserver (``TORCH_MP_PARALLEL_START=0``)
 it is a server that outlives its launcher, so those children also watch the launcher's
@@ -44,10 +47,12 @@ _IS_LINUX = sys.platform.startswith("linux")
 def _die_with_parent(parent: tuple[str, int | None]) -> None:
     """Note [Children die with their parent]."""
     how, expected_ppid = parent
-    if _IS_LINUX:
+    if _IS_LINUX and how != "process":
         _C.set_pdeathsig(signal.SIGKILL)
     if expected_ppid is not None and os.getppid() != expected_ppid:
         os.kill(os.getpid(), signal.SIGKILL)
+    if how == "process" and expected_ppid is not None and _IS_LINUX:
+        _C.kill_self_when_process_exits(expected_ppid)
     if how == "watch":
         launcher = multiprocessing.parent_process()
         if launcher is not None:

@@ -407,20 +407,21 @@ class JoinableQueue(Queue):
         if self._ring.task_done() == _EMPTY:
             raise ValueError("task_done() called too many times")
 
-    def join(self, timeout: Optional[float] = None) -> bool:
+    def join(self, timeout: Optional[float] = None) -> Optional[bool]:
         """Blocks until every item put has been marked done by :meth:`task_done`.
 
         Args:
-            timeout: most seconds to wait (``None``: for ever; an extension).
+            timeout: most seconds to wait (``None``: for ever; a timeout is an extension).
 
         Returns:
-            True when no task is unfinished, False if ``timeout`` passed first.
+            None without a timeout, as ``multiprocessing``'s; with one, True when no task is
+            unfinished, False if ``timeout`` passed first.
         """
         self._check_closed()
         status = self._ring.join(-1.0 if timeout is None else max(float(timeout), 0.0))
         if status == _CLOSED:
             self._raise(status)
-        return status == _OK
+        return None if timeout is None else status == _OK
 
 
 class SimpleQueue(SimpleQueueCompat, _RingQueue):

@@ -23,6 +23,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import tempfile
+import threading
 import time
 import warnings
 import weakref
@@ -227,7 +228,9 @@ def _launch_plan(start_method: str) -> tuple[Any, bool, tuple[str, int | None]]:
     ctx = default_context.get_context(start_method)
     if start_method == "forkserver":  # the standard library's server outlives us
         return ctx, parallel_env == "1", ("watch", None)
-    return ctx, False, ("pdeathsig", os.getpid())
+    # Note [Children die with their parent]: PDEATHSIG follows the starting thread.
+    on_main = threading.current_thread() is threading.main_thread()
+    return ctx, False, ("pdeathsig" if on_main else "process", os.getpid())
 
 
 # Note: [start_processes]

@@ -257,6 +257,10 @@ ArenaStats Arena::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   ArenaStats s;
   s.cache_limit = cache_limit_;
+  for (auto& m : sparse_) {  // growable queue rings: count them, not their address space
+    ++s.segments;
+    s.live_blocks += m->header()->live_blocks.load(std::memory_order_acquire);
+  }
   for (auto& [size, segments] : pools_) {
     for (auto& m : segments) {
       ++s.segments;
