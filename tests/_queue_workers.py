@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import queue
 import struct
 import time
@@ -254,3 +255,8 @@ class BigStringDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"i": i, "s": chr(ord("a") + i % 26) * 100_000}
+
+
+def put_big_then_die(q, nbytes):
+    q.put(b"d" * nbytes)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -10,6 +10,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 import torch_mp_ext as mp
+from torch_mp_ext.errors import PeerDiedError
 
 T = 120
 #: The big bytes item (issue 14 asks 1 GB: TMX_BIG_ITEM_BYTES=1073741824, run by hand).
@@ -74,3 +75,17 @@ def test_dataloader_batches_of_more_than_4_mib_of_strings(method):
         assert len(batch["s"]) == 64 and all(len(s) == 100_000 for s in batch["s"])
         seen.extend(batch["i"].tolist())
     assert seen == list(range(256))
+
+
+def test_an_out_of_line_item_of_a_sigkilled_producer_is_lost_cleanly():
+    # Note [Large items out of line]: its fd server died with it; the queue goes on.
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=workers.put_big_then_die, args=(q, 1 << 20))
+    p.start()
+    p.join(T)
+    assert p.exitcode == -9 and q.qsize() == 1
+    with pytest.raises(PeerDiedError, match="lost"):
+        q.get(timeout=T)
+    q.put_many([1, b"x" * (1 << 20)])
+    assert q.get_many(2, timeout=T) == [1, b"x" * (1 << 20)]

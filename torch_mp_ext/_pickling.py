@@ -27,9 +27,13 @@ keeper (Note [Exit keeper] in ``csrc/ipc/fd_keeper.h``), and either sharing stra
 The getter maps the block and unpickles straight from it (one copy on its side, into the
 objects it builds), then drops the reference. So a 1 GB ``bytes`` crosses with one copy per
 side, outside the ring's lock, while the ring itself only holds frames up to the limit (small
-items keep the one-memcpy fast path). What a kill loses is what it loses for any frame: a
+items keep the one-memcpy fast path). What a kill loses: a
 getter killed after taking the frame and before unpickling it leaves the block referenced
-until the block's owner exits.
+until the block's owner exits (as for any frame); and with the file_descriptor strategy, the
+items a producer put out of line are lost if it is SIGKILLed before a getter maps them (its
+fd server dies with it, as for a tensor it sent): ``get`` raises ``PeerDiedError`` for such an
+item, ``get_many`` leaves it out with a ``RuntimeWarning``, and the queue goes on. A producer
+that exits normally leaves an exit keeper, so nothing is lost then.
 
 Note [Releasing dropped frames]
 A frame can hold references: every block handle pickled inside it carries one (Note [Block
@@ -60,6 +64,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, List, Tuple
 
 from . import _C
+from .errors import PeerDiedError
 
 __all__ = ["TAG_PICKLE", "TAG_BYTES", "TAG_BLOCK", "OOL_BYTES", "dumps", "dump_item", "loads",
            "decode", "release_frame", "to_block"]
@@ -205,7 +210,15 @@ def to_block(tag: int, parts: Any) -> bytes:
 
 def _from_block(data: bytes, use: Callable[[int, memoryview], Any]) -> Any:
     tag, handle, nbytes = loads(data)
-    block = _C.attach(handle)
+    try:
+        block = _C.attach(handle)
+    except OSError as exc:
+        raise PeerDiedError(
+            f"a queue item of {nbytes} bytes, stored out of line by process {handle[6]}, is "
+            f"lost: its memory could not be mapped ({exc}). The process that put it most "
+            f"likely was killed before this one received it (Note [Large items out of line]); "
+            f"the queue itself goes on. Keep producers alive until their items are received, "
+            f"or use set_sharing_strategy('file_system')") from exc
     view = memoryview(block)[:nbytes]
     try:
         return use(tag, view)

@@ -50,6 +50,7 @@ from __future__ import annotations
 import multiprocessing.util
 import os
 import queue
+import warnings
 import weakref
 from typing import Any, Iterable, List, NoReturn, Optional
 
@@ -65,7 +66,7 @@ from ._pickling import (
     to_block,
 )
 from ._queue_compat import SimpleQueueCompat
-from .errors import QueueClosedError
+from .errors import PeerDiedError, QueueClosedError
 from .sharing import get_all_sharing_strategies
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES"]
@@ -322,7 +323,18 @@ class _RingQueue:
             self._raise(status)
         if tags is None:
             return [loads(p) for p in payloads]
-        return [decode(tag, p) for tag, p in zip(tags, payloads)]
+        out, lost = [], None
+        for tag, p in zip(tags, payloads):
+            try:
+                out.append(decode(tag, p))
+            except PeerDiedError as exc:  # Note [Large items out of line]: the rest stands
+                lost = exc
+        if lost is not None:
+            if not out:
+                raise lost
+            warnings.warn(f"get_many: {len(payloads) - len(out)} item(s) lost: {lost}",
+                          RuntimeWarning, stacklevel=2)
+        return out
 
     def _put_frame(self, data: bytes, timeout: float) -> bool:
         """Puts an item pickled by ``_pickling.dumps`` (at most ``max_bytes - 8`` bytes),
