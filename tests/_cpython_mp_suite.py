@@ -51,7 +51,7 @@ for _name in CLASSES:
 _set_up = _found["setUpModule"]
 
 
-def setUpModule() -> None:  # noqa: N802  (unittest's name)
+def setUpModule() -> None:
     _set_up()
     # The server imports torch once for all its children, as a torch user's would.
     multiprocessing.set_forkserver_preload(list(_cpython.PRELOAD) + [__name__])

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import signal
 import queue
+import signal
 import struct
 import time
 

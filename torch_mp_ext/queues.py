@@ -14,9 +14,11 @@ blocking rules and exceptions of ``multiprocessing``'s (``queue.Full``, ``queue.
 ``get_many``. There is no feeder thread: ``put`` pickles in the caller's thread, so an
 unpicklable item raises there and the queue stays usable. A process killed at any point,
 even holding the queue's lock, never wedges the queue or delivers a torn item (Note [Ring
-commit] in ``csrc/queue/ring.h``). The queue holds at most ``max_bytes`` of pickled items;
-an item that could never fit raises ``ValueError`` at once, and ``put`` waits while the queue
-is full. Tensors and numpy arrays count for a few dozen bytes each, whatever their size.
+commit] in ``csrc/queue/ring.h``). Without ``max_bytes`` a queue is unbounded: its ring grows
+in place in shared memory (Note [Ring growth] in ``csrc/queue/ring.h``); with it, the ring
+holds that many bytes of frames and ``put`` waits while it is full. Items over 256 KiB go out
+of line into an arena block (Note [Large items out of line] in ``_pickling.py``); tensors and
+numpy arrays count for a few dozen bytes each, whatever their size.
 
 Note [Queue lifetime]
 Each queue object, in each process, is one *holder* of the ring (``Ring.holders``, a count in
@@ -69,10 +71,10 @@ from ._queue_compat import SimpleQueueCompat
 from .errors import PeerDiedError, QueueClosedError
 from .sharing import get_all_sharing_strategies
 
-__all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES"]
+__all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES", "MAX_GROW_BYTES"]
 
-#: Bytes of pickled items a queue holds by default: its shared-memory footprint is this plus
-#: one page (memory reserved at creation, tensors and arrays not counted).
+#: Bytes of frames a queue's ring holds at first (reserved at creation; it grows unless
+#: ``max_bytes`` was given: Note [Ring growth]).
 DEFAULT_MAX_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_BYTES", 4 * 1024 * 1024 - 4096))
 #: Bytes of frames a queue made without ``max_bytes`` may grow to (Note [Ring growth] in
 #: ``csrc/queue/ring.h``): address space mapped in each holder, pages only as used.
@@ -399,8 +401,9 @@ class Queue(_RingQueue):
 
     Args:
         maxsize: most items queued at once; ``<= 0`` means no item limit.
-        max_bytes: most bytes of pickled items queued at once (default
-            :data:`DEFAULT_MAX_BYTES`, about 4 MiB; reserved in shared memory at creation).
+        max_bytes: most bytes of frames queued at once, a fixed ring reserved at creation.
+            Default: none; the ring starts at :data:`DEFAULT_MAX_BYTES` and grows (up to
+            :data:`MAX_GROW_BYTES`) as items arrive.
         ctx: accepted for compatibility with ``multiprocessing.queues.Queue``; unused.
     """
 
