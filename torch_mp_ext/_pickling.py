@@ -61,7 +61,7 @@ import pickle
 import threading
 from collections import ChainMap
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List
 
 from . import _C
 from .errors import PeerDiedError
@@ -146,20 +146,19 @@ def dumps(obj: Any) -> bytes:
         shared.lock.release()
 
 
-def dump_item(obj: Any, limit: int) -> Tuple[int, bytes]:
-    """``(tag, frame payload)`` for ``obj``: its pickle, or, when larger than ``limit``, an
-    out-of-line frame (Note [Large items out of line])."""
+def dump_item(obj: Any, limit: int) -> Any:
+    """``dumps(obj)``, except that a pickle larger than ``limit`` made of several chunks comes
+    back as the list of chunks, not joined: :func:`to_block` copies them once (Note [Large
+    items out of line])."""
     tp = type(obj)
     if tp in PLAIN_TYPES:
-        data = _plain_dumps(obj, PROTOCOL)
-        return (0, data) if len(data) <= limit else (TAG_BLOCK, to_block(0, (data,)))
+        return _plain_dumps(obj, PROTOCOL)
     if tp is tuple and len(obj) <= 8:
         for x in obj:
             if type(x) not in PLAIN_TYPES:
                 break
         else:
-            data = _plain_dumps(obj, PROTOCOL)
-            return (0, data) if len(data) <= limit else (TAG_BLOCK, to_block(0, (data,)))
+            return _plain_dumps(obj, PROTOCOL)
     shared = _shared
     if not shared.lock.acquire(False):
         parts: List[Any] = []
@@ -168,16 +167,18 @@ def dump_item(obj: Any, limit: int) -> Tuple[int, bytes]:
         chunks = shared.chunks
         try:
             shared.pickler.dump(obj)
+            if len(chunks) == 1:
+                return chunks[0]
             parts = chunks[:]
         finally:
             chunks.clear()
             shared.pickler.clear_memo()
             shared.lock.release()
-    if len(parts) == 1 and len(parts[0]) <= limit:
-        return 0, parts[0]
+    if len(parts) == 1:
+        return parts[0]
     if sum(len(p) for p in parts) <= limit:
-        return 0, b"".join(parts)
-    return TAG_BLOCK, to_block(0, parts)
+        return b"".join(parts)
+    return parts
 
 
 def _named() -> bool:

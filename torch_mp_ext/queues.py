@@ -231,11 +231,16 @@ class _RingQueue:
             if len(obj) > self._ool:
                 tag, data = TAG_BLOCK, to_block(TAG_BYTES, (obj,))
         else:
+            tag = 0
             try:
-                tag, data = dump_item(obj, self._ool)
+                data = dump_item(obj, self._ool)
             except Exception as exc:
                 self._note(exc, obj)
                 raise
+            if type(data) is not bytes:  # the chunks of a large pickle
+                tag, data = TAG_BLOCK, to_block(0, data)
+            elif len(data) > self._ool:
+                tag, data = TAG_BLOCK, to_block(0, (data,))
         if len(data) > self._max_payload:
             raise self._oversize(obj, len(data))
         try:
@@ -286,7 +291,10 @@ class _RingQueue:
         obj: Any = None
         try:
             for obj in items:  # bytes items are pickled too here: one tag for the batch
-                tag, data = dump_item(obj, limit)
+                data = dump_item(obj, limit)
+                tag = 0
+                if type(data) is not bytes or len(data) > limit:
+                    tag, data = TAG_BLOCK, to_block(0, data if type(data) is list else (data,))
                 if tag and tags is None:
                     tags = [0] * len(payloads)
                 if tags is not None:
