@@ -28,12 +28,11 @@ pytestmark = pytest.mark.skipif(
 
 def _slow(*values):
     return pytest.param(*values, marks=[pytest.mark.slow, pytest.mark.skipif(
-        not SLOW, reason="spawn/forkserver workers import torch: set TMX_SLOW_TESTS=1")])
+        not SLOW, reason="spawn workers import torch: set TMX_SLOW_TESTS=1")])
 
 
 @pytest.mark.parametrize("method, select", [
-    ("fork", "all"), ("spawn", "quick"), ("forkserver", "quick"),
-    _slow("spawn", "rest"), _slow("forkserver", "rest"),
+    ("fork", "all"), ("forkserver", "all"), ("spawn", "quick"), _slow("spawn", "rest"),
 ])
 def test_cpython_queue_and_pool_tests_pass(method, select):
     env = dict(os.environ, TMX_CPYTHON_MP_METHOD=method, TMX_CPYTHON_MP_SELECT=select,

@@ -161,29 +161,32 @@ std::unique_ptr<BlockRef> Arena::allocate_sparse(size_t nbytes, size_t reserved,
     return registry.adopt_locked(mapping, index);
   }
   std::lock_guard<std::mutex> lock(mu_);
+  // Reuse one fully free segment of this size; keep two more for the next queues, retire
+  // the rest (each holds its reserved pages).
+  std::shared_ptr<Mapping> reuse;
   size_t kept = 0;
   for (auto it = sparse_.begin(); it != sparse_.end();) {
     Mapping& m = **it;
     if (!fully_free(m)) {
       ++it;
-      continue;
-    }
-    if (m.block_size() == spec.block_size && m.fd() >= 0) {
-      // Its user may have left pages past the reserved part (a growth cut short by a kill).
-      size_t from = (m.data_begin() - m.base()) + spec.reserve_bytes;
-      if (from < m.size()) {
-        (void)::fallocate(m.fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                          static_cast<off_t>(from), static_cast<off_t>(m.size() - from));
-      }
-      if (auto ref = take_locked(*it)) return ref;
-    }
-    if (++kept > 2) {  // keep a couple for the next queue; retire the rest
+    } else if (reuse == nullptr && m.block_size() == spec.block_size && m.fd() >= 0) {
+      reuse = *it++;
+    } else if (++kept > 2) {
       std::lock_guard<std::mutex> rlock(registry.mutex());
       registry.retire_locked(*it);
       it = sparse_.erase(it);
     } else {
       ++it;
     }
+  }
+  if (reuse != nullptr) {
+    // Its last user may have left pages past the reserved part (a growth cut short by a kill).
+    size_t from = (reuse->data_begin() - reuse->base()) + spec.reserve_bytes;
+    if (from < reuse->size()) {
+      (void)::fallocate(reuse->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                        static_cast<off_t>(from), static_cast<off_t>(reuse->size() - from));
+    }
+    if (auto ref = take_locked(reuse)) return ref;
   }
   std::string address = FdServer::instance().address();
   auto mapping = create_segment(spec);
