@@ -399,3 +399,14 @@ def test_a_queue_can_travel_through_a_queue():
     del copy
     gc.collect()
     assert inner._ring.holders == 1
+
+
+def test_maxsize_bounds_the_count_exactly_while_the_ring_grows():
+    q = Queue(maxsize=30)
+    item = b"m" * 200_000  # in line (under the out-of-line limit): 30 of them need growth
+    for _ in range(30):
+        q.put(item, block=False)
+    assert q.full() and q._ring.capacity > 4 << 20
+    with pytest.raises(queue.Full):
+        q.put(item, timeout=0.1)
+    assert all(q.get(timeout=T) == item for _ in range(30)) and q.empty()
