@@ -2,7 +2,7 @@
 
 Compares torch_mp_ext's Queue with ``multiprocessing.Queue``, ``torch.multiprocessing.Queue``
 and faster-fifo (skipped with a note if it is not installed) on small items (an int, a small
-tuple) and 1 MB ``bytes`` items, with single ``put``/``get`` and, where a queue has them,
+tuple), 1 MB and 64 MB ``bytes`` items, with single ``put``/``get`` and, where a queue has them,
 ``put_many``/``get_many`` in batches of 64. Libraries run interleaved (every library once per
 round, rounds repeated) and the table reports medians, so machine noise hits all alike.
 
@@ -38,6 +38,7 @@ WORKLOADS: Dict[str, Any] = {
     "int": 7,
     "small tuple": (1, 2.0, "abc"),
     "1 MB bytes": b"x" * (1 << 20),
+    "64 MB bytes": b"x" * (64 << 20),  # out of line (Note [Large items out of line])
 }
 
 
@@ -120,6 +121,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
     parser.add_argument("--small-items", type=int, default=100_000)
     parser.add_argument("--big-items", type=int, default=600)
+    parser.add_argument("--huge-items", type=int, default=10, help="64 MB items per run")
     bench_json.add_argument(parser)
     args = parser.parse_args(argv)
 
@@ -133,7 +135,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows: List[Tuple[str, str, Any, int, bool]] = []
     for name, item in WORKLOADS.items():
         big = isinstance(item, bytes)
-        n = args.big_items if big else args.small_items
+        n = (args.huge_items if len(item) > (1 << 20) else args.big_items) if big \
+            else args.small_items
         rows.append((name, "put/get", item, n, False))
         if not big:  # 64 x 1 MB cannot fit in a 4 MB queue: batches are for small items
             rows.append((name, f"put_many/get_many x{BATCH}", item, n, True))
@@ -142,6 +145,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for _ in range(args.rounds):
         for r, (_name, _mode, item, n, batched) in enumerate(rows):
             for lib in libs:
+                if lib == "faster-fifo" and isinstance(item, bytes) and len(item) > QUEUE_BYTES:
+                    continue  # larger than its buffer: it cannot carry this item at all
                 # Queues without a batch API move the batch workload one item at a time.
                 use_batches = batched and has_batches(lib)
                 results.setdefault((r, lib), []).append(run_once(lib, item, n, use_batches))
@@ -150,12 +155,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                              "faster-fifo" in libs else [])
     table = []
     for r, (name, mode, _item, _n, batched) in enumerate(rows):
-        med = {lib: statistics.median(results[(r, lib)]) for lib in libs}
+        med: Dict[str, Optional[float]] = {
+            lib: statistics.median(results[(r, lib)]) if (r, lib) in results else None
+            for lib in libs}
+        ours, theirs = med["torch_mp_ext"] or 0.0, med["multiprocessing"] or 1.0
         line = [name, mode] + [fmt_rate(med[lib]) + ("*" if batched and not has_batches(lib)
                                                      else "") for lib in libs]
-        line.append(f"{med['torch_mp_ext'] / med['multiprocessing']:.1f}x")
+        line.append(f"{ours / theirs:.1f}x")
         if "faster-fifo" in libs:
-            line.append(f"{med['torch_mp_ext'] / med['faster-fifo']:.1f}x")
+            ff = med["faster-fifo"]
+            line.append(f"{ours / ff:.1f}x" if ff else "n/a")
         table.append(line)
     widths = [max(len(str(row[i])) for row in [header] + table) for i in range(len(header))]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
@@ -164,8 +173,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
     print()
     print(f"1 producer -> 1 consumer process (fork), items/s, median of {args.rounds} "
-          f"interleaved rounds; {args.small_items} small items, {args.big_items} x 1 MB "
-          f"per run. * no batch API: put/get one item at a time.")
+          f"interleaved rounds; {args.small_items} small items, {args.big_items} x 1 MB, "
+          f"{args.huge_items} x 64 MB per run. * no batch API: put/get one item at a time.")
     for note in notes:
         print(note)
     if args.json:

@@ -32,11 +32,13 @@ def read_all(fd):
         chunks.append(chunk)
 
 
-def main(kills, seed):
+def main(kills, seed, growing=False):
     rng = random.Random(seed)
     ctx = mp.get_context("fork")
     stdlib = multiprocessing.get_context("fork")
-    q = ctx.Queue(max_bytes=512 * 1024)
+    # growing: a ring of 512 KiB at first (TORCH_MP_EXT_QUEUE_BYTES, set by the test) that
+    # grows and shrinks back all the time (Note [Ring growth]), 64 items at most.
+    q = ctx.Queue(maxsize=64) if growing else ctx.Queue(max_bytes=512 * 1024)
     stop_producing, stop_consuming = stdlib.Event(), stdlib.Event()
     results = stdlib.Queue()  # reports travel outside the queue under test
     steady_p = ctx.Process(target=workers.steady_producer,
@@ -128,4 +130,5 @@ def main(kills, seed):
 
 if __name__ == "__main__":
     main(int(sys.argv[1]) if len(sys.argv) > 1 else 60,
-         int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+         int(sys.argv[2]) if len(sys.argv) > 2 else 0,
+         len(sys.argv) > 3 and sys.argv[3] == "growing")

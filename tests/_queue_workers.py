@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import struct
 import time
 
@@ -220,3 +221,42 @@ def victim_consumer(q, report_fd, crash_point=0):
         os.write(report_fd, b"".join(
             item[0].to_bytes(2, "little") + item[1].to_bytes(4, "little")
             + bytes([check_payload(item)]) for item in items))
+
+
+# ---- unbounded queues and large items (test_queue_unbounded.py) ---------------------------
+
+
+def check_in_order(q, n, item_bytes, out):
+    """Gets n items (i, payload) and reports whether they came in order, whole."""
+    ok = True
+    for i in range(n):
+        k, payload = q.get(timeout=60)
+        ok &= k == i and len(payload) == item_bytes
+    out.put(ok)
+
+
+def identity(x):
+    return x
+
+
+def echo_through(q_in, q_out):
+    q_out.put(q_in.get())
+
+
+def raise_big_value_error(x):
+    raise ValueError("x" * 1_000_000)
+
+
+class BigStringDataset(torch.utils.data.Dataset):
+    """Items of 100 KB strings: a batch of 64 pickles to more than 4 MiB of non-tensor data."""
+
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        return {"i": i, "s": chr(ord("a") + i % 26) * 100_000}
+
+
+def put_big_then_die(q, nbytes):
+    q.put(b"d" * nbytes)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -174,3 +174,42 @@ def test_no_descendant_survives_a_sigkilled_parent(method, grandchild_method, pa
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [p for p in pids if _running(p)] == []
+
+
+THREAD_SCRIPT = """
+import json, sys, threading, time
+import torch_mp_ext as mp
+import _spawn_workers as w
+method = sys.argv[1]
+q = mp.get_context(method).SimpleQueue()
+started = []
+t = threading.Thread(target=lambda: started.append(mp.start_processes(
+    w.ready_then_sleep, args=(q,), nprocs=2, join=False, start_method=method)))
+t.start()
+t.join()  # the thread that started the workers is gone
+pids = [q.get() for _ in range(2)]
+time.sleep(0.5)
+print(json.dumps(pids), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfd and PDEATHSIG are Linux's")
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_workers_outlive_the_thread_that_started_them_not_the_process(method):
+    # Note [Children die with their parent]: PDEATHSIG would have killed them with the thread.
+    parent = subprocess.Popen([sys.executable, "-c", THREAD_SCRIPT, method], env=_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([parent.stdout], [], [], 120)
+        assert ready, "the parent did not report its workers within 120 s"
+        pids = json.loads(parent.stdout.readline())
+        assert len(pids) == 2 and all(_running(p) for p in pids)
+    finally:
+        parent.kill()
+        parent.wait(30)
+        parent.stdout.close()
+    deadline = time.monotonic() + 15
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in pids if _running(p)] == []

@@ -9,18 +9,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 KILLS = 60
 
 
-def test_sigkill_at_random_points_never_wedges_the_queue_nor_tears_an_item():
+@pytest.mark.parametrize("ring", ["fixed", "growing"])
+def test_sigkill_at_random_points_never_wedges_the_queue_nor_tears_an_item(ring):
     """60 producers and consumers are SIGKILLed mid-stream (tests/_queue_crash.py, in a
-    fresh interpreter) while a steady producer and consumer keep going."""
+    fresh interpreter) while a steady producer and consumer keep going; "growing": in a ring
+    that grows and shrinks under them (Note [Ring growth]), big items out of line."""
     seed = random.randrange(1 << 30)
     tests_dir = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")]))
+    if ring == "growing":
+        env["TORCH_MP_EXT_QUEUE_BYTES"] = str(512 * 1024)  # every item fits in line
     done = subprocess.run([sys.executable, str(tests_dir / "_queue_crash.py"), str(KILLS),
-                           str(seed)], env=env, capture_output=True, text=True, timeout=180)
+                           str(seed), ring], env=env, capture_output=True, text=True,
+                          timeout=180)
     assert done.returncode == 0, f"seed {seed}: {done.stderr}"
     r = json.loads(done.stdout)
     context = f"seed {seed}: {r}"

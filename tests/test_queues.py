@@ -111,21 +111,34 @@ def test_unpicklable_item_raises_at_the_call_site_and_the_queue_stays_usable():
     assert q.get(timeout=T) == "fine"
 
 
-def test_oversize_item_raises_value_error_at_once():
+def test_items_larger_than_max_bytes_go_out_of_line():
+    # Note [Large items out of line]: an explicit max_bytes bounds the ring, not the items.
     q = Queue(max_bytes=1024)
-    t0 = time.monotonic()
-    with pytest.raises(ValueError, match="max_bytes"):
-        q.put(b"x" * 2000)
-    with pytest.raises(ValueError, match="max_bytes"):
-        q.put(list(range(1000)))
-    with pytest.raises(ValueError):
-        q.put_many([b"x" * 600, b"y" * 600])  # each fits, the batch never can
-    assert time.monotonic() - t0 < 1.0  # never a hang
-    assert q.max_bytes == 1024
-    q.put(b"x" * 1000)
-    assert q.get(timeout=T) == b"x" * 1000
+    q.put(b"x" * 2000)
+    q.put(list(range(1000)))
+    q.put_many([b"x" * 600, b"y" * 600])
+    assert q.max_bytes == 1024 and q.qsize() == 4
+    assert q.get(timeout=T) == b"x" * 2000
+    assert q.get(timeout=T) == list(range(1000))
+    assert q.get_many(2, timeout=T) == [b"x" * 600, b"y" * 600]
+    with pytest.raises(ValueError, match="never fit"):
+        q.put_many([1] * 200)  # 200 frames can never fit in 1024 bytes: at once, no hang
+    q.put_many([1] * 30)
+    with pytest.raises(queue.Full):  # an explicit max_bytes still bounds the ring
+        q.put_many([1] * 40, timeout=0.1)
+    assert q.get_many(100, timeout=T) == [1] * 30
     with pytest.raises(ValueError, match="max_bytes"):
         Queue(max_bytes=0)
+
+
+def test_unbounded_queue_grows_and_shrinks_back_in_order():
+    q = Queue()
+    first = q._ring.capacity
+    for i in range(12_000):  # about 12 MB of frames: three times the initial ring
+        q.put((i, b"z" * 1000), block=False)  # never Full: the ring grows
+    assert q._ring.capacity > first and q.qsize() == 12_000 and not q.full()
+    assert [q.get(timeout=T)[0] for _ in range(12_000)] == list(range(12_000))
+    assert q._ring.capacity == first  # emptied: back to its first pages
 
 
 def test_tensors_and_arrays_count_for_a_handle_not_their_size():
@@ -183,6 +196,7 @@ def test_joinable_queue_semantics():
         q.get(timeout=T)
         q.task_done()
     assert q.join(timeout=T) is True
+    assert q.join() is None  # as multiprocessing's
     with pytest.raises(ValueError, match="too many"):
         q.task_done()
 
@@ -200,6 +214,22 @@ def test_joinable_queue_across_processes():
     for p in procs:
         p.join(T)
     assert q.join(timeout=T)
+
+
+def test_simple_queue_ends_are_connection_like():
+    q = SimpleQueue()
+    reader, writer = q._reader, q._writer
+    assert reader.readable and not reader.writable and writer.writable
+    assert not reader.closed and not writer.closed and reader.fileno() >= 0
+    writer.send(3)
+    assert multiprocessing.connection.wait([reader], timeout=T) == [reader] and reader.poll()
+    assert reader.recv() == 3 and not reader.poll(0.01)
+    q.close()
+    assert reader.closed and writer.closed  # CPython's TestSimpleQueue.test_closed
+    with pytest.raises(OSError, match="closed"):
+        reader.fileno()
+    with pytest.raises(OSError, match="closed"):
+        reader.poll()
 
 
 def test_simple_queue_api_and_doorbell():
@@ -369,3 +399,14 @@ def test_a_queue_can_travel_through_a_queue():
     del copy
     gc.collect()
     assert inner._ring.holders == 1
+
+
+def test_maxsize_bounds_the_count_exactly_while_the_ring_grows():
+    q = Queue(maxsize=30)
+    item = b"m" * 200_000  # in line (under the out-of-line limit): 30 of them need growth
+    for _ in range(30):
+        q.put(item, block=False)
+    assert q.full() and q._ring.capacity > 4 << 20
+    with pytest.raises(queue.Full):
+        q.put(item, timeout=0.1)
+    assert all(q.get(timeout=T) == item for _ in range(30)) and q.empty()

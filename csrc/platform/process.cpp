@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <poll.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -11,6 +13,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "common/check.h"
 #include "common/unique_fd.h"
@@ -132,6 +135,21 @@ void set_pdeathsig(int sig) {
 uint64_t self_pidns() {
   static const uint64_t ns = pid_namespace_id();  // fork keeps the namespace
   return ns;
+}
+
+void kill_self_when_process_exits(pid_t pid) {
+  int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0 && errno == ESRCH) ::kill(::getpid(), SIGKILL);
+  std::thread([fd, pid] {
+    if (fd >= 0) {
+      struct pollfd p{fd, POLLIN, 0};
+      while (::poll(&p, 1, -1) < 0 && errno == EINTR) {
+      }
+    } else {
+      while (::getppid() == pid) ::usleep(100000);
+    }
+    ::kill(::getpid(), SIGKILL);
+  }).detach();
 }
 
 size_t page_size() {

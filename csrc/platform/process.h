@@ -51,6 +51,12 @@ uint64_t random_u64();
 /// prctl(PR_SET_PDEATHSIG, sig): this process gets `sig` when its parent thread exits.
 void set_pdeathsig(int sig);
 
+/// Starts a native thread (no GIL needed) that SIGKILLs this process when process `pid` ends
+/// (the whole process, not the thread that started us: Note [Children die with their parent]
+/// in _worker.py). Waits on a pidfd; where pidfd_open is missing, polls getppid() != pid every
+/// 100 ms. If `pid` is already gone, kills at once.
+void kill_self_when_process_exits(pid_t pid);
+
 /// Size in bytes of a memory page.
 size_t page_size();
 

@@ -10,6 +10,8 @@ namespace torch_mp_ext::python {
 void init_platform(py::module_& m) {
   m.def("set_pdeathsig", &set_pdeathsig, py::arg("signum"),
         R"pbdoc(prctl(PR_SET_PDEATHSIG, signum): get `signum` when the parent thread exits.)pbdoc");
+  m.def("kill_self_when_process_exits", &kill_self_when_process_exits, py::arg("pid"),
+        R"pbdoc(A native thread SIGKILLs this process when process `pid` (not a thread) ends.)pbdoc");
   m.def("process_start_time", &process_start_time, py::arg("pid"),
         R"pbdoc(Start time of `pid` in clock ticks since boot, 0 if unknown.)pbdoc");
   m.def(

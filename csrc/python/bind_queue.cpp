@@ -130,10 +130,13 @@ class RingHandle {
   RingHandle(py::object block, Ring ring) : block_(std::move(block)), ring_(ring) {}
 
   static std::unique_ptr<RingHandle> create(py::object block, uint64_t capacity,
-                                            uint64_t maxsize, bool joinable, int64_t spin_ns) {
+                                            uint64_t maxsize, bool joinable, int64_t spin_ns,
+                                            uint64_t max_capacity, bool in_dev_shm) {
     auto& ref = block.cast<BlockRef&>();
     RingOptions options;
     options.capacity = capacity;
+    options.max_capacity = max_capacity;
+    options.in_dev_shm = in_dev_shm;
     options.maxsize = maxsize;
     options.joinable = joinable;
     options.spin_ns = spin_ns;
@@ -365,7 +368,8 @@ void init_queue(py::module_& m) {
   )pbdoc")
       .def_static("create", &RingHandle::create, py::arg("block"), py::arg("capacity"),
                   py::arg("maxsize") = 0, py::arg("joinable") = false,
-                  py::arg("spin_ns") = DEFAULT_SPIN_NS,
+                  py::arg("spin_ns") = DEFAULT_SPIN_NS, py::arg("max_capacity") = 0,
+                  py::arg("in_dev_shm") = true,
                   "Constructs a new ring in `block`; this object is its first holder.")
       .def_static("open", &RingHandle::open, py::arg("block"),
                   "Views the ring in `block`, adopting the holder its handle carried.")
@@ -412,7 +416,10 @@ void init_queue(py::module_& m) {
       .def("doorbell_release", [](RingHandle& r) { r.ring().doorbell_release(); })
       .def_property_readonly("doorbell_owner",
                              [](RingHandle& r) { return r.ring().doorbell_owner(); })
-      .def_property_readonly("capacity", [](RingHandle& r) { return r.ring().capacity(); })
+      .def_property_readonly("capacity", [](RingHandle& r) { return r.ring().capacity(); },
+                             "Bytes of frames it holds now (it may grow: Note [Ring growth]).")
+      .def_property_readonly("max_capacity",
+                             [](RingHandle& r) { return r.ring().max_capacity(); })
       .def_property_readonly("maxsize", [](RingHandle& r) { return r.ring().maxsize(); })
       .def_property_readonly("joinable", [](RingHandle& r) { return r.ring().joinable(); })
       .def_property_readonly("recoveries", [](RingHandle& r) { return r.ring().recoveries(); })

@@ -96,6 +96,15 @@ void init_shm(py::module_& m) {
       py::arg("nbytes"), py::arg("named") = false,
       R"pbdoc(A new block of at least `nbytes` bytes: anonymous and pooled, or named.)pbdoc");
   m.def(
+      "allocate_sparse",
+      [](size_t nbytes, size_t reserved, bool named) {
+        py::gil_scoped_release nogil;
+        return Arena::instance().allocate_sparse(nbytes, reserved, named);
+      },
+      py::arg("nbytes"), py::arg("reserved"), py::arg("named") = false,
+      R"pbdoc(A block of `nbytes` with pages reserved only for its first `reserved` bytes
+      (a growable queue ring: Note [Ring growth]); its own segment, never pooled.)pbdoc");
+  m.def(
       "attach",
       [](const py::tuple& handle, double timeout) {
         Handle h = from_tuple(handle);

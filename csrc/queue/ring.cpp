@@ -1,7 +1,8 @@
 #include "queue/ring.h"
 
 #include <signal.h>
-
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -13,6 +14,7 @@
 #include "common/errors.h"
 #include "platform/process.h"
 #include "queue/ring_internal.h"
+#include "shm/segment.h"
 
 namespace torch_mp_ext {
 
@@ -93,21 +95,26 @@ Ring::Ring(RingHeader* header)
     : h_(header),
       data_(reinterpret_cast<char*>(header) + header_bytes()),
       capacity_(header->capacity),
+      max_capacity_(header->max_capacity),
       spin_ns_(header->spin_ns) {}
 
 Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
   uint64_t capacity = (options.capacity + 7) & ~uint64_t{7};
-  TMX_CHECK_VALUE(capacity >= 2 * FRAME_HEADER && capacity <= MAX_RING_CAPACITY,
+  uint64_t max_capacity = capacity;  // Note [Ring growth]: initial * 2^k
+  while (max_capacity <= options.max_capacity / 2) max_capacity *= 2;
+  TMX_CHECK_VALUE(capacity >= 2 * FRAME_HEADER && max_capacity <= MAX_RING_CAPACITY,
                   "a queue's capacity must be between ", 2 * FRAME_HEADER, " and ",
-                  MAX_RING_CAPACITY, " bytes, got ", options.capacity);
-  TMX_CHECK_VALUE(footprint(capacity) <= size, "a ring of ", capacity, " bytes needs ",
-                  footprint(capacity), " bytes of memory, got ", size);
+                  MAX_RING_CAPACITY, " bytes, got ", options.capacity, " growing to ",
+                  options.max_capacity);
+  TMX_CHECK_VALUE(footprint(max_capacity) <= size, "a ring of ", max_capacity,
+                  " bytes needs ", footprint(max_capacity), " bytes of memory, got ", size);
   // The block may have held anything before: construct and write every field.
   auto* h = new (memory) RingHeader();
   h->magic = 0;
   h->version = RING_VERSION;
   h->flags = options.joinable ? RING_JOINABLE : 0;
   h->capacity = capacity;
+  h->max_capacity = max_capacity;
   h->maxsize = options.maxsize;
   h->data_offset = header_bytes();
   h->spin_ns = std::clamp<int64_t>(options.spin_ns, 0, MAX_SPIN_NS);
@@ -123,12 +130,13 @@ Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
   h->broken.store(0, std::memory_order_relaxed);
   h->journal_valid.store(0, std::memory_order_relaxed);
   h->doorbell.store(0, std::memory_order_relaxed);
+  h->in_dev_shm = options.in_dev_shm ? 1 : 0;
   h->not_empty.init();
   h->not_full.init();
   h->all_done.init();
   h->mutex.init();
-  h->state = RingState{0, 0, 0, 0};
-  h->journal = RingState{0, 0, 0, 0};
+  h->state = RingState{0, 0, 0, 0, capacity};
+  h->journal = RingState{0, 0, 0, 0, capacity};
   std::atomic_thread_fence(std::memory_order_release);
   h->magic = RING_MAGIC;
   Ring ring(h);  // reads the fields just written
@@ -154,8 +162,12 @@ Ring Ring::open(void* memory, size_t size) {
   }
   if (ring.capacity_ < 2 * FRAME_HEADER || ring.capacity_ % 8 != 0 ||
       ring.capacity_ > MAX_RING_CAPACITY || ring.capacity_ > size - header_bytes()) {
-    throw corrupt("capacity", ring.capacity_,
-                  "a multiple of 8 from 16 bytes to 2 GiB, within the block");
+    throw corrupt("capacity", ring.capacity_, "a multiple of 8 from 16 bytes, within the block");
+  }
+  if (ring.max_capacity_ < ring.capacity_ || ring.max_capacity_ % 8 != 0 ||
+      ring.max_capacity_ > MAX_RING_CAPACITY || ring.max_capacity_ > size - header_bytes()) {
+    throw corrupt("max_capacity", ring.max_capacity_,
+                  "a multiple of 8 from capacity up to the block's size (Note [Ring growth])");
   }
   if (ring.spin_ns_ < 0 || ring.spin_ns_ > MAX_SPIN_NS) {
     throw corrupt("spin_ns", static_cast<uint64_t>(ring.spin_ns_), "0 to 1 s");
@@ -165,13 +177,14 @@ Ring Ring::open(void* memory, size_t size) {
 
 void Ring::check_state() {
   const RingState& s = h_->state;
-  if (s.tail < s.head || s.tail - s.head > capacity_ || s.head % 8 != 0 || s.tail % 8 != 0) {
+  if (s.capacity < capacity_ || s.capacity > max_capacity_ || s.capacity % 8 != 0 ||
+      s.tail < s.head || s.tail - s.head > s.capacity || s.head % 8 != 0 || s.tail % 8 != 0) {
     h_->broken.store(1, std::memory_order_release);
     unlock();
     throw CorruptSegmentError(detail::str_cat(
         "the shared memory of this queue is corrupt: ring state head=", s.head, " tail=",
-        s.tail, " does not fit its capacity of ", capacity_,
-        " bytes; a process wrote garbage into it. Create a new queue"));
+        s.tail, " capacity=", s.capacity, " does not fit its bounds of ", capacity_, " to ",
+        max_capacity_, " bytes; a process wrote garbage into it. Create a new queue"));
   }
 }
 
@@ -209,16 +222,17 @@ void Ring::repair() {
 
 bool Ring::chain_ok() const {
   const RingState& s = h_->state;
-  if (s.tail < s.head || s.tail - s.head > capacity_ || s.head % 8 != 0 || s.tail % 8 != 0) {
+  if (s.capacity < capacity_ || s.capacity > max_capacity_ || s.capacity % 8 != 0 ||
+      s.tail < s.head || s.tail - s.head > s.capacity || s.head % 8 != 0 || s.tail % 8 != 0) {
     return false;
   }
   uint64_t pos = s.head;
   uint64_t frames = 0;
   while (pos < s.tail) {
     FrameHeader fh;
-    copy_out(pos, &fh, sizeof(fh));
+    copy_out(s.capacity, pos, &fh, sizeof(fh));
     uint64_t bytes = frame_bytes(fh.size);
-    if (bytes > s.tail - pos || bytes > capacity_) return false;
+    if (bytes > s.tail - pos || bytes > s.capacity) return false;
     pos += bytes;
     ++frames;
   }
@@ -238,16 +252,16 @@ void Ring::commit(const RingState& next, CrashPoint after_commit) {
 
 // ---- data ---------------------------------------------------------------------------------
 
-void Ring::copy_in(uint64_t pos, const void* src, size_t n) {
-  size_t at = static_cast<size_t>(pos % capacity_);
-  size_t first = std::min<size_t>(n, capacity_ - at);
+void Ring::copy_in(uint64_t cap, uint64_t pos, const void* src, size_t n) {
+  size_t at = static_cast<size_t>(pos % cap);
+  size_t first = std::min<size_t>(n, cap - at);
   std::memcpy(data_ + at, src, first);
   if (first < n) std::memcpy(data_, static_cast<const char*>(src) + first, n - first);
 }
 
-void Ring::copy_out(uint64_t pos, void* dst, size_t n) const {
-  size_t at = static_cast<size_t>(pos % capacity_);
-  size_t first = std::min<size_t>(n, capacity_ - at);
+void Ring::copy_out(uint64_t cap, uint64_t pos, void* dst, size_t n) const {
+  size_t at = static_cast<size_t>(pos % cap);
+  size_t first = std::min<size_t>(n, cap - at);
   std::memcpy(dst, data_ + at, first);
   if (first < n) std::memcpy(static_cast<char*>(dst) + first, data_, n - first);
 }
@@ -273,9 +287,9 @@ Status Ring::put(const FrameIn* frames, size_t n, const Deadline& deadline,
                  const std::atomic<bool>* closed, bool try_only) {
   uint64_t total = 0;
   for (size_t i = 0; i < n; ++i) total += frame_bytes(frames[i].size);
-  TMX_CHECK_VALUE(total <= capacity_, n == 1 ? "an item of " : "a batch of ",
+  TMX_CHECK_VALUE(total <= max_capacity_, n == 1 ? "an item of " : "a batch of ",
                   n == 1 ? frames[0].size : total, " bytes can never fit in a queue of ",
-                  capacity_, " bytes");
+                  max_capacity_, " bytes");
   TMX_CHECK_VALUE(h_->maxsize == 0 || n <= h_->maxsize, "a batch of ", n,
                   " items can never fit in a queue of maxsize ", h_->maxsize);
   if (n == 0) return Status::Ok;
@@ -283,11 +297,16 @@ Status Ring::put(const FrameIn* frames, size_t n, const Deadline& deadline,
   if (got == Lock::Busy) return Status::Busy;
   if (got == Lock::TimedOut) return Status::Full;
   Held held{this};
+  bool grow = false;
   for (;;) {
     if (is_closed(closed)) return Status::Closed;
     const RingState& s = h_->state;
-    if (s.tail - s.head + total <= capacity_ &&
-        (h_->maxsize == 0 || s.count + n <= h_->maxsize)) {
+    bool counted = h_->maxsize == 0 || s.count + n <= h_->maxsize;
+    if (counted && s.tail - s.head + total <= s.capacity) break;
+    // Note [Ring growth]: room is made, never waited for, while the item count allows it.
+    if (counted && s.tail - s.head + total <= max_capacity_) {
+      if (try_only) return Status::Busy;  // grow with the GIL released, off the fast path
+      grow = true;
       break;
     }
     if (try_only || deadline.expired()) return Status::Full;
@@ -295,11 +314,11 @@ Status Ring::put(const FrameIn* frames, size_t n, const Deadline& deadline,
     if (waited != Status::Ok) return waited;
   }
   maybe_crash(CrashPoint::HoldingLock);
-  RingState next = h_->state;
+  RingState next = grow ? grown(total) : h_->state;
   for (size_t i = 0; i < n; ++i) {
     FrameHeader fh{frames[i].size, frames[i].tag};
-    copy_in(next.tail, &fh, sizeof(fh));
-    copy_in(next.tail + FRAME_HEADER, frames[i].data, frames[i].size);
+    copy_in(next.capacity, next.tail, &fh, sizeof(fh));
+    copy_in(next.capacity, next.tail + FRAME_HEADER, frames[i].data, frames[i].size);
     next.tail += frame_bytes(frames[i].size);
   }
   next.count += n;
@@ -340,7 +359,7 @@ Status Ring::get(FrameBuffer& bytes, std::vector<FrameOut>& frames, size_t max_f
   size_t take = static_cast<size_t>(std::min<uint64_t>(max_frames, next.count));
   for (size_t i = 0; i < take; ++i) {
     FrameHeader fh;
-    copy_out(next.head, &fh, sizeof(fh));
+    copy_out(next.capacity, next.head, &fh, sizeof(fh));
     if (frame_bytes(fh.size) > next.tail - next.head) {  // check_state: tail - head <= cap
       h_->broken.store(1, std::memory_order_release);
       throw CorruptSegmentError(detail::str_cat(
@@ -348,13 +367,19 @@ Status Ring::get(FrameBuffer& bytes, std::vector<FrameOut>& frames, size_t max_f
           " bytes but the ring holds ", next.tail - next.head, "; create a new queue"));
     }
     frames.push_back(FrameOut{fh.tag, fh.size, bytes.size()});
-    copy_out(next.head + FRAME_HEADER, bytes.append(fh.size), fh.size);
+    copy_out(next.capacity, next.head + FRAME_HEADER, bytes.append(fh.size), fh.size);
     next.head += frame_bytes(fh.size);
   }
   next.count -= take;
+  uint64_t grown_to = next.capacity;
+  if (next.count == 0 && next.capacity > h_->capacity) {  // Note [Ring growth]: shrink back
+    next.head = next.tail = 0;
+    next.capacity = h_->capacity;
+  }
   store_fence();
   maybe_crash(CrashPoint::GetBeforeCommit);
   commit(next, CrashPoint::GetAfterCommit);
+  if (grown_to > next.capacity) release_growth(next.capacity, grown_to);
   held.release();
   h_->not_full.notify_all();
   if (next.count > 0) h_->not_empty.notify_one();
@@ -405,6 +430,51 @@ namespace {
 bool ringer_gone(uint64_t key) { return ::kill(key_pid(key), 0) != 0 && errno == ESRCH; }
 }  // namespace
 
+// ---- growth (Note [Ring growth]) ------------------------------------------------------------
+
+RingState Ring::grown(uint64_t total) {
+  RingState s = h_->state;
+  uint64_t used = s.tail - s.head;
+  // Doubling keeps every capacity initial * 2^k, so max_capacity (rounded so at create) is
+  // never passed and tail' = head' + used < 2 * old capacity always fits.
+  uint64_t cap = s.capacity * 2;
+  while (cap < used + total) cap *= 2;
+  // Reserve the new pages now: a full /dev/shm fails here, not with a SIGBUS later.
+  auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  auto lo = reinterpret_cast<uintptr_t>(data_ + s.capacity) & ~(page - 1);
+  auto hi = (reinterpret_cast<uintptr_t>(data_ + cap) + page - 1) & ~(page - 1);
+  int rc;
+  do {
+    rc = ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE);
+  } while (rc != 0 && (errno == EINTR || errno == EAGAIN));
+  if (rc != 0) {
+    int err = errno;
+    if (err == EFAULT || err == ENOMEM || err == ENOSPC) {
+      throw SyscallError(ENOSPC, "madvise(MADV_POPULATE_WRITE)", "a queue growing to " +
+                         std::to_string(cap) + " bytes",
+                         no_space_message(cap - s.capacity, h_->in_dev_shm != 0));
+    }
+    throw SyscallError(err, "madvise(MADV_POPULATE_WRITE)", "a queue's growing ring",
+                       "this kernel cannot reserve shared pages in advance (Linux >= 5.14 "
+                       "can): create the queue with max_bytes= large enough instead");
+  }
+  // Relocate: frames keep their physical place; the wrapped part moves past the old end.
+  RingState next = s;
+  next.head = s.head % s.capacity;
+  next.tail = next.head + used;
+  next.capacity = cap;
+  if (next.tail > s.capacity) std::memcpy(data_ + s.capacity, data_, next.tail - s.capacity);
+  store_fence();
+  return next;
+}
+
+void Ring::release_growth(uint64_t from, uint64_t to) {
+  auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  auto lo = (reinterpret_cast<uintptr_t>(data_ + from) + page - 1) & ~(page - 1);
+  auto hi = reinterpret_cast<uintptr_t>(data_ + to) & ~(page - 1);
+  if (hi > lo) (void)::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_REMOVE);
+}
+
 bool Ring::doorbell_should_ring() {
   uint64_t me = self_key();
   uint64_t seen = h_->doorbell.load(std::memory_order_seq_cst);
@@ -426,7 +496,10 @@ uint64_t Ring::doorbell_owner() const {
   return h_->doorbell.load(std::memory_order_seq_cst) >> 32;
 }
 
-uint64_t Ring::capacity() const { return capacity_; }
+uint64_t Ring::capacity() const {
+  return __atomic_load_n(&h_->state.capacity, __ATOMIC_RELAXED);
+}
+uint64_t Ring::max_capacity() const { return max_capacity_; }
 uint64_t Ring::maxsize() const { return h_->maxsize; }
 bool Ring::joinable() const { return (h_->flags & RING_JOINABLE) != 0; }
 uint64_t Ring::recoveries() const { return h_->recoveries.load(std::memory_order_relaxed); }

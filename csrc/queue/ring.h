@@ -17,11 +17,11 @@
 //          │   journal {head tail count unfinished}    the next truth, valid iff ...      │
 //          │   journal_valid       ... this word is 1: the commit point of every operation│
 //          │   holders[128]        {process key, queue objects}: who holds the ring       │
-//          │ data[capacity]                                                               │
+//          │ data[max_capacity]: only data[0, state.capacity) is in use (Note [Ring growth])  │
 //          │   ... free ... │head▶ [size tag|payload|pad] [size tag|payload|pad] ◀tail│ ... │
 //          └──────────────────────────────────────────────────────────────────────────────┘
 //
-// head and tail are byte counters that only grow (position = counter % capacity); a frame is
+// head and tail are byte counters (position = counter % state.capacity); a frame is
 // an 8-byte header {payload size, tag} and the payload padded to 8 bytes, and may wrap around
 // the end of the data area. Bytes in [head, tail) are committed frames; only a get may retire
 // them (by moving head). Bytes in [tail, head + capacity) are free; only the put that holds the
@@ -46,6 +46,32 @@
 // After a repair the frames from head to tail are walked; if they do not chain exactly to tail
 // (only possible if something outside this protocol wrote the memory) the ring is marked
 // broken and every later operation raises PeerDiedError rather than deliver a torn item.
+//
+// Note [Ring growth]
+// An unbounded queue (multiprocessing.Queue() with no maxsize) must never block a put for lack
+// of room, yet the common case must stay one memcpy into a ring that is already mapped. So a
+// growable ring's block is one *sparse* segment: only its first pages (the initial capacity)
+// are reserved when it is made; the rest of the address range (max_capacity, 64 GiB by
+// default) is mapped in every process that holds the queue but has no pages behind it. The
+// data area in use is data[0, state.capacity). A put that finds no room while the item count
+// is below maxsize (or maxsize is 0) grows the ring under the mutex:
+//   1. reserve the pages of data[capacity, new capacity) with MADV_POPULATE_WRITE: a full
+//      /dev/shm (or memory cgroup) is an ENOSPC error here, naming the bytes and the fix
+//      (Docker --shm-size), never a SIGBUS later; new capacity = max(2 * capacity, needed);
+//   2. relocate: the frames keep their physical place, so head' = head % capacity and
+//      tail' = head' + (tail - head); frames that wrapped past the old end (physical
+//      [0, tail' - capacity)) are copied to [capacity, tail'), free space in both layouts;
+//   3. commit {head', tail', count, unfinished, new capacity} with the put's own frames, as
+//      every operation does (Note [Ring commit]).
+// A death before the commit leaves the old state, which never looks past the old capacity
+// (only reserved pages are left behind, reused by the next growth); after it, the repair
+// re-applies the journal. Every process reads capacity from the state under the mutex, so no
+// one needs to hear about a growth: the whole range is mapped already, and it is one segment,
+// so the file_descriptor strategy, fork, spawn and forkserver need nothing new. The get that
+// empties a grown ring commits head = tail = 0 and the initial capacity in the same journal,
+// then (still under the mutex, so no growth can race it) returns the grown pages with
+// MADV_REMOVE. FIFO order is untouched: growth moves bytes, never reorders frames. A ring made
+// with an explicit max_bytes is not sparse and never grows (max_capacity == capacity).
 //
 // Note [Ring holders]
 // Every queue object holding the ring, in any process, is counted in `holders`, by process
@@ -104,13 +130,13 @@ namespace torch_mp_ext {
 
 constexpr uint64_t RING_MAGIC = 0x31474e4952584d54ULL;  // "TMXRING1" little-endian
 /// 2: holder keys carry the flags of Note [Holder tables]; 3: the doorbell word names its
-/// ringer (Note [Doorbell]).
-constexpr uint32_t RING_VERSION = 3;
+/// ringer (Note [Doorbell]); 4: the ring grows in place (Note [Ring growth]).
+constexpr uint32_t RING_VERSION = 4;
 constexpr uint32_t RING_JOINABLE = 1u << 0;
 /// Frame header bytes: uint32 payload size + uint32 tag.
 constexpr uint64_t FRAME_HEADER = 8;
-/// The largest data area: frame sizes are 32-bit.
-constexpr uint64_t MAX_RING_CAPACITY = uint64_t{1} << 31;
+/// The largest data area a ring may grow to (Note [Ring growth]); one frame is at most 4 GiB.
+constexpr uint64_t MAX_RING_CAPACITY = uint64_t{1} << 46;
 /// Default busy-wait before sleeping: about the time a Python producer needs to make its next
 /// item, so a 1→1 stream rarely pays for a futex wake-up (measured in benchmarks/bench_queue.py).
 constexpr int64_t DEFAULT_SPIN_NS = 50000;
@@ -130,7 +156,10 @@ enum class Status : uint32_t {
 };
 
 struct RingOptions {
-  uint64_t capacity = 0;  ///< bytes of frames the ring holds (rounded up to 8)
+  uint64_t capacity = 0;  ///< bytes of frames the ring holds at first (rounded up to 8)
+  /// Bytes it may grow to (Note [Ring growth]); 0: `capacity`, it never grows.
+  uint64_t max_capacity = 0;
+  bool in_dev_shm = true;  ///< where its pages come from: decides the no-space hint
   uint64_t maxsize = 0;   ///< most frames at once; 0: only bytes limit
   bool joinable = false;  ///< count unfinished tasks (JoinableQueue)
   int64_t spin_ns = DEFAULT_SPIN_NS;
@@ -168,6 +197,7 @@ struct RingState {
   uint64_t tail;
   uint64_t count;
   uint64_t unfinished;
+  uint64_t capacity;  ///< bytes of the data area in use now (Note [Ring growth])
 };
 
 struct RingHeader;
@@ -259,7 +289,10 @@ class Ring {
   /// The processes in the holder table (diagnostics and tests).
   std::optional<std::vector<HolderInfo>> holder_table(const Deadline& deadline);
 
+  /// Bytes of the data area in use now (grows and shrinks back: Note [Ring growth]).
   uint64_t capacity() const;
+  /// Bytes of frames it may ever hold.
+  uint64_t max_capacity() const;
   uint64_t maxsize() const;
   bool joinable() const;
   uint64_t recoveries() const;
@@ -273,8 +306,13 @@ class Ring {
   void repair();
   bool chain_ok() const;
   void commit(const RingState& next, CrashPoint after_commit);
-  void copy_in(uint64_t pos, const void* src, size_t n);
-  void copy_out(uint64_t pos, void* dst, size_t n) const;
+  void copy_in(uint64_t cap, uint64_t pos, const void* src, size_t n);
+  void copy_out(uint64_t cap, uint64_t pos, void* dst, size_t n) const;
+  /// Under the mutex: a state with room for `total` more bytes, its new pages reserved and
+  /// the wrapped frames moved (Note [Ring growth]); throws SyscallError(ENOSPC) with the fix.
+  RingState grown(uint64_t total);
+  /// Under the mutex, after a commit that emptied a grown ring: returns its pages.
+  void release_growth(uint64_t from, uint64_t to);
   struct Held;
   /// Releases the mutex and waits on `cond` for one slice at most. Ok: the mutex is held
   /// again, re-check the predicate; otherwise (Interrupted, `on_timeout`) it is not held.
@@ -288,6 +326,7 @@ class Ring {
   RingHeader* h_;
   char* data_;
   uint64_t capacity_;  ///< validated copy of h_->capacity (Note [Geometry snapshot])
+  uint64_t max_capacity_;  ///< validated copy of h_->max_capacity (Note [Ring growth])
   int64_t spin_ns_;    ///< validated copy of h_->spin_ns
 };
 

@@ -20,7 +20,8 @@ struct RingHeader {
   uint64_t magic;
   uint32_t version;
   uint32_t flags;
-  uint64_t capacity;
+  uint64_t capacity;      ///< the initial (and smallest) data area
+  uint64_t max_capacity;  ///< the data area mapped: what it may grow to (Note [Ring growth])
   uint64_t maxsize;
   uint64_t data_offset;
   int64_t spin_ns;
@@ -31,6 +32,8 @@ struct RingHeader {
   std::atomic<uint32_t> broken;
   std::atomic<uint32_t> journal_valid;
   std::atomic<uint64_t> doorbell;  ///< 0, or the key of the process owing a byte (Note [Doorbell])
+  uint32_t in_dev_shm;  ///< pages come from /dev/shm (else memfd): picks the no-space hint
+  uint32_t reserved1;
   SharedCondition not_empty;
   SharedCondition not_full;
   SharedCondition all_done;

@@ -1,5 +1,7 @@
 #include "shm/arena.h"
 
+#include <fcntl.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -153,6 +155,67 @@ std::unique_ptr<BlockRef> Arena::allocate(size_t nbytes, bool named) {
   return ref;
 }
 
+std::unique_ptr<BlockRef> Arena::allocate_sparse(size_t nbytes, size_t reserved, bool named) {
+  TMX_CHECK_VALUE(nbytes > 0 && nbytes <= (size_t{1} << 46), "a sparse shared-memory block "
+                  "must be between 1 byte and 64 TiB, got ", nbytes);
+  SegmentSpec spec;
+  spec.kind = SegmentKind::Arena;
+  spec.block_size = round_up(nbytes, 4096);
+  spec.nblocks = 1;
+  spec.named = named;
+  spec.flags = named ? FLAG_UNLINK_ON_ZERO : FLAG_FREE_ON_ZERO;
+  spec.reserve_bytes = round_up(std::max<size_t>(reserved, 1), 4096);
+  auto& registry = Registry::instance();
+  if (named) {
+    auto mapping = create_segment(spec);
+    uint32_t index = mapping->pop_free();
+    init_allocated(*mapping, index);
+    std::lock_guard<std::mutex> lock(registry.mutex());
+    registry.add_owned_locked(mapping);
+    mapping->owned = false;  // never pooled: unmapped with its last local reference
+    return registry.adopt_locked(mapping, index);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  // Reuse one fully free segment of this size; keep two more for the next queues, retire
+  // the rest (each holds its reserved pages).
+  std::shared_ptr<Mapping> reuse;
+  size_t kept = 0;
+  for (auto it = sparse_.begin(); it != sparse_.end();) {
+    Mapping& m = **it;
+    if (!fully_free(m)) {
+      ++it;
+    } else if (reuse == nullptr && m.block_size() == spec.block_size && m.fd() >= 0) {
+      reuse = *it++;
+    } else if (++kept > 2) {
+      std::lock_guard<std::mutex> rlock(registry.mutex());
+      registry.retire_locked(*it);
+      it = sparse_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (reuse != nullptr) {
+    // Its last user may have left pages past the reserved part (a growth cut short by a kill).
+    size_t from = (reuse->data_begin() - reuse->base()) + spec.reserve_bytes;
+    if (from < reuse->size()) {
+      (void)::fallocate(reuse->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                        static_cast<off_t>(from), static_cast<off_t>(reuse->size() - from));
+    }
+    if (auto ref = take_locked(reuse)) return ref;
+  }
+  std::string address = FdServer::instance().address();
+  auto mapping = create_segment(spec);
+  std::snprintf(mapping->header()->name, NAME_CAPACITY, "%s", address.c_str());
+  sparse_.push_back(mapping);
+  {
+    std::lock_guard<std::mutex> rlock(registry.mutex());
+    registry.add_owned_locked(mapping);
+  }
+  auto ref = take_locked(mapping);
+  TMX_CHECK(ref != nullptr, "a new segment had no free block");
+  return ref;
+}
+
 size_t Arena::trim_locked(size_t keep_bytes) {
   size_t cached = 0;
   for (auto& [size, segments] : pools_) {
@@ -191,13 +254,31 @@ size_t Arena::reclaim_locked(const std::vector<std::shared_ptr<Mapping>>& segmen
 size_t Arena::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [size, segments] : pools_) reclaim_locked(segments);
-  return trim_locked(0);
+  reclaim_locked(sparse_);
+  size_t released = 0;
+  {
+    auto& registry = Registry::instance();
+    std::lock_guard<std::mutex> rlock(registry.mutex());
+    for (auto it = sparse_.begin(); it != sparse_.end();) {
+      if (fully_free(**it)) {
+        registry.retire_locked(*it);
+        it = sparse_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  return released + trim_locked(0);
 }
 
 ArenaStats Arena::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   ArenaStats s;
   s.cache_limit = cache_limit_;
+  for (auto& m : sparse_) {  // growable queue rings: count them, not their address space
+    ++s.segments;
+    s.live_blocks += m->header()->live_blocks.load(std::memory_order_acquire);
+  }
   for (auto& [size, segments] : pools_) {
     for (auto& m : segments) {
       ++s.segments;
@@ -211,6 +292,7 @@ ArenaStats Arena::stats() {
 }
 
 void Arena::atfork_child() {
+  sparse_.clear();
   pools_.clear();  // the parent keeps allocating from its segments; the child makes its own
   mu_.unlock();
 }

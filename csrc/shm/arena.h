@@ -44,6 +44,10 @@ class Arena {
   /// A new block of at least `nbytes` bytes with refcount 1, owned by the caller.
   /// `named`: a file_system (named, unpooled) segment; otherwise an anonymous pooled block.
   std::unique_ptr<BlockRef> allocate(size_t nbytes, bool named);
+  /// A block of `nbytes` of which only the first `reserved` bytes have pages now: a segment
+  /// of its own, never pooled with others (Note [Ring growth] in queue/ring.h). Fully free
+  /// sparse segments of the same size are reused (their sparse part emptied first).
+  std::unique_ptr<BlockRef> allocate_sparse(size_t nbytes, size_t reserved, bool named);
   /// Reclaims dead holders' references, then retires every owned segment with no live block;
   /// returns the bytes released.
   size_t empty_cache();
@@ -66,6 +70,7 @@ class Arena {
 
   std::mutex mu_;
   std::map<uint64_t, std::vector<std::shared_ptr<Mapping>>> pools_;
+  std::vector<std::shared_ptr<Mapping>> sparse_;  ///< owned anonymous sparse segments
   size_t cache_limit_ = DEFAULT_CACHE_LIMIT;
 };
 

@@ -77,15 +77,16 @@ std::string no_fd_hint() {
 
 /// ftruncate + posix_fallocate: pages are reserved now, so a full /dev/shm is an error here
 /// instead of a SIGBUS at first touch (Note [Segment layout]).
-void reserve(int fd, size_t size, const std::string& resource, bool in_dev_shm) {
+/// `upto`: bytes from the start to reserve (the rest stays sparse: Note [Ring growth]).
+void reserve(int fd, size_t size, size_t upto, const std::string& resource, bool in_dev_shm) {
   TMX_SYSCHECK(::ftruncate(fd, static_cast<off_t>(size)), "ftruncate", resource);
   int rc;
   do {
-    rc = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+    rc = ::posix_fallocate(fd, 0, static_cast<off_t>(upto));
   } while (rc == EINTR);
   if (rc == 0 || rc == EINVAL || rc == EOPNOTSUPP) return;  // no fallocate on this fs: as torch
   std::string hint;
-  if (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) hint = no_space_hint(size, in_dev_shm);
+  if (rc == ENOSPC || rc == ENOMEM || rc == EFBIG) hint = no_space_hint(upto, in_dev_shm);
   throw SyscallError(rc, "posix_fallocate", resource, hint);
 }
 
@@ -368,7 +369,9 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
   }
   char* base = nullptr;
   try {
-    reserve(fd.get(), size, resource, in_dev_shm);
+    size_t upto = spec.reserve_bytes == 0 ? size
+                                          : std::min(size, data_offset + spec.reserve_bytes);
+    reserve(fd.get(), size, upto, resource, in_dev_shm);
     if (!spec.named && g_backend.load() == AnonymousBackend::Memfd) {
       // Sealed: no process that receives the fd can truncate it under the others' mappings.
       TMX_SYSCHECK(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
@@ -454,6 +457,14 @@ void Mapping::deregister_holder() {
     holders[static_cast<size_t>(holder_index)].release(holders.self());
   }
   holder_index = -1;
+}
+
+}  // namespace torch_mp_ext
+
+namespace torch_mp_ext {
+
+std::string no_space_message(size_t size, bool in_dev_shm) {
+  return no_space_hint(size, in_dev_shm);
 }
 
 }  // namespace torch_mp_ext

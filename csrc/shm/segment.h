@@ -25,7 +25,14 @@ struct SegmentSpec {
   uint32_t nblocks = 1;
   bool named = false;
   uint32_t flags = 0;  ///< FLAG_FREE_ON_ZERO / FLAG_UNLINK_ON_ZERO
+  /// Bytes of the data area whose pages are reserved now; 0: all. The rest is sparse: its
+  /// user reserves pages before touching them (Note [Ring growth] in queue/ring.h).
+  uint64_t reserve_bytes = 0;
 };
+
+/// The fix to suggest when `size` bytes of shared memory could not be reserved (names the
+/// bytes, what is free in /dev/shm, and Docker's --shm-size).
+std::string no_space_message(size_t size, bool in_dev_shm);
 
 /// Bytes a segment of this spec occupies (header, slot table, page-aligned data).
 size_t segment_size_for(const SegmentSpec& spec, size_t* data_offset = nullptr);

@@ -23,6 +23,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import tempfile
+import threading
 import time
 import warnings
 import weakref
@@ -231,7 +232,9 @@ def launch_plan(start_method: str) -> tuple[Any, bool, tuple[str, int | None]]:
         if parallel:
             log.info("Starting processes in parallel.")
         return ctx, parallel, ("pdeathsig", _forkserver.ensure_running())
-    return ctx, False, ("pdeathsig", os.getpid())
+    # Note [Children die with their parent]: PDEATHSIG follows the starting thread.
+    on_main = threading.current_thread() is threading.main_thread()
+    return ctx, False, ("pdeathsig" if on_main else "process", os.getpid())
 
 
 # Note: [start_processes]

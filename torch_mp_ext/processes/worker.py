@@ -10,11 +10,13 @@ Note [Children die with their parent]
 torch's children ask for SIGINT when their parent dies, which a child can catch (torch's own
 ``wrap`` turns it into a clean exit) or not see while stuck in native code. Ours ask for
 SIGKILL, which always works, and check right after asking that the parent did not die before
-(the window of a spawn child's start-up). The kernel sends the signal when the thread that
-started the child ends, so start long-lived workers from a long-lived thread. Through the
-forkserver the parent is the server, which dies with its launcher (Note [Dying with the
-launcher] in ``forkserver.py``). Grandchildren started the same way die with their parent in
-turn.
+(the window of a spawn child's start-up). The kernel sends that signal when the *thread* that
+started the child ends, so children started from any thread but the main one (a short-lived
+thread calling ``start_processes(join=False)``) do not ask for it: they watch their parent
+*process* instead, from a native thread waiting on its pidfd (``how == "process"``), which
+needs no GIL and so works while the child is stuck in native code. Through the forkserver the
+parent is the server, which dies with its launcher (Note [Dying with the launcher] in
+``forkserver.py``). Grandchildren started the same way die with their parent in turn.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ _IS_LINUX = sys.platform.startswith("linux")
 
 def die_with_parent(parent: tuple[str, int | None]) -> None:
     """Note [Children die with their parent]."""
-    _, expected_ppid = parent
-    if _IS_LINUX:
+    how, expected_ppid = parent
+    if _IS_LINUX and how != "process":
         _C.set_pdeathsig(signal.SIGKILL)
     if expected_ppid is not None and os.getppid() != expected_ppid:
         os.kill(os.getpid(), signal.SIGKILL)
+    if how == "process" and expected_ppid is not None and _IS_LINUX:
+        _C.kill_self_when_process_exits(expected_ppid)
 
 
 def _write_error_file(path: str, exc: Exception) -> None:

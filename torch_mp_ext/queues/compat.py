@@ -56,28 +56,52 @@ def _close_fds(*fds: int) -> None:
 
 
 class _Writer:
-    """``SimpleQueue._writer``: ``send`` puts; ``close`` is a no-op (workers call it)."""
+    """``SimpleQueue._writer``: ``send`` puts; ``close`` closes only this end, as a worker's
+    ``_writer.close()`` does in ``multiprocessing.pool``."""
+
+    readable = False
+    writable = True
 
     def __init__(self, q: Any) -> None:  # a SimpleQueueCompat, which is a _RingQueue
         self._q = q
+        self._own_closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._own_closed or self._q._closed
 
     def send(self, obj: Any) -> None:
         self._q.put(obj)
 
     def close(self) -> None:
-        pass
+        self._own_closed = True
 
 
 class _Reader:
-    """``SimpleQueue._reader``: ``recv``, ``poll`` and a ``fileno`` to wait on."""
+    """``SimpleQueue._reader``: what a ``multiprocessing.connection.Connection`` reader offers
+    (``recv``, ``poll``, ``fileno``, ``closed``, ``close``); waitable with
+    ``multiprocessing.connection.wait``."""
+
+    readable = True
+    writable = False
 
     def __init__(self, q: Any) -> None:  # a SimpleQueueCompat, which is a _RingQueue
         self._q = q
+        self._own_closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._own_closed or self._q._closed
+
+    def _check(self) -> None:
+        if self.closed:
+            raise OSError("handle is closed")  # what a closed Connection raises
 
     def recv(self) -> Any:
         return self._q.get()
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
+        self._check()
         q = self._q
         if q._ring.qsize() > 0:
             return True
@@ -87,6 +111,7 @@ class _Reader:
         return q._ring.qsize() > 0
 
     def fileno(self) -> int:
+        self._check()
         q = self._q
         try:
             if q._ring.qsize() > 0:  # Note [Doorbell]: repair what a killed process left
@@ -96,7 +121,7 @@ class _Reader:
         return q._doorbell[0]
 
     def close(self) -> None:
-        pass
+        self._own_closed = True
 
 
 class SimpleQueueCompat:

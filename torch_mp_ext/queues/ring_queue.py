@@ -14,9 +14,11 @@ blocking rules and exceptions of ``multiprocessing``'s (``queue.Full``, ``queue.
 ``get_many``. There is no feeder thread: ``put`` pickles in the caller's thread, so an
 unpicklable item raises there and the queue stays usable. A process killed at any point,
 even holding the queue's lock, never wedges the queue or delivers a torn item (Note [Ring
-commit] in ``csrc/queue/ring.h``). The queue holds at most ``max_bytes`` of pickled items;
-an item that could never fit raises ``ValueError`` at once, and ``put`` waits while the queue
-is full. Tensors and numpy arrays count for a few dozen bytes each, whatever their size.
+commit] in ``csrc/queue/ring.h``). Without ``max_bytes`` a queue is unbounded: its ring grows
+in place in shared memory (Note [Ring growth] in ``csrc/queue/ring.h``); with it, the ring
+holds that many bytes of frames and ``put`` waits while it is full. Items over 256 KiB go out
+of line into an arena block (Note [Large items out of line] in ``_pickling.py``); tensors and
+numpy arrays count for a few dozen bytes each, whatever their size.
 
 Note [Queue lifetime]
 Each queue object, in each process, is one *holder* of the ring (``Ring.holders``, a count in
@@ -47,28 +49,42 @@ gone), so give queues to processes while their creator lives (the usual parent â
 
 from __future__ import annotations
 
+import errno
 import gc
 import multiprocessing.util
 import os
 import queue
+import warnings
 import weakref
 from typing import Any, Iterable, List, NoReturn, Optional
 
 from .. import _C
-from ..errors import QueueClosedError
-from ..sharing.pickling import TAG_BYTES, decode, dumps, loads, release_frame
+from ..errors import PeerDiedError, QueueClosedError
+from ..sharing.pickling import (
+    OOL_BYTES,
+    TAG_BLOCK,
+    TAG_BYTES,
+    decode,
+    dump_item,
+    loads,
+    release_frame,
+    to_block,
+)
 from ..sharing.strategy import get_all_sharing_strategies
 from ..timeouts import ring_seconds
 from .compat import SimpleQueueCompat
 
-__all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES"]
+__all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES", "MAX_GROW_BYTES"]
 
-#: Largest ring a queue can have (the core's MAX_RING_CAPACITY).
+#: Largest fixed ring (``max_bytes=``) a queue can have.
 MAX_QUEUE_BYTES = 2**31
 DEFAULT_MAX_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_BYTES", 4 * 1024 * 1024 - 4096))
-"""Bytes of pickled items a queue holds by default (``TORCH_MP_EXT_QUEUE_BYTES``): its
-shared-memory footprint is this plus one page (reserved at creation; tensors and arrays
-count only for their handles)."""
+"""Bytes of frames a queue's ring holds at first (``TORCH_MP_EXT_QUEUE_BYTES``; reserved at
+creation; tensors and arrays count only for their handles). It grows unless ``max_bytes`` was
+given (Note [Ring growth] in ``csrc/queue/ring.h``)."""
+MAX_GROW_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_MAX_BYTES", 64 << 30))
+"""Bytes of frames a queue made without ``max_bytes`` may grow to
+(``TORCH_MP_EXT_QUEUE_MAX_BYTES``): address space mapped in each holder, pages only as used."""
 
 #: Busy-wait before a blocked get/put sleeps (Note [Why not pthread_cond_t]).
 SPIN_NS = int(os.environ.get("TORCH_MP_EXT_QUEUE_SPIN_NS", 50_000))
@@ -161,6 +177,22 @@ def _rebuild_simple(cls: type, handle: tuple, read_fd: Any, write_fd: Any) -> An
     return q
 
 
+def _sparse_block(capacity: int) -> tuple[Any, int]:
+    """(block, bytes the ring may grow to) for a growable ring: MAX_GROW_BYTES of address
+    space, or less where the address space is limited (``ulimit -v``): each try that fails
+    with ENOMEM asks for a quarter, down to a fixed ring of ``capacity``."""
+    grow_to = MAX_GROW_BYTES
+    while True:
+        try:
+            block = _C.allocate_sparse(_C.Ring.footprint(grow_to),
+                                       _C.Ring.footprint(capacity), _RING_NAMED)
+            return block, grow_to
+        except OSError as e:
+            if e.errno != errno.ENOMEM or grow_to <= capacity:
+                raise
+            grow_to = max(grow_to // 4, capacity)
+
+
 class _RingQueue:
     """What the three queues share: a ring, pickling, closing, pickling the queue itself."""
 
@@ -171,18 +203,26 @@ class _RingQueue:
         capacity = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
         if (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 16
                 or capacity > MAX_QUEUE_BYTES):
-            raise ValueError(f"max_bytes must be an integer from 16 to {MAX_QUEUE_BYTES} (2 GiB), "
-                             f"got {max_bytes!r}")
+            raise ValueError(f"max_bytes must be an integer from 16 to {MAX_QUEUE_BYTES} "
+                             f"(2 GiB), got {max_bytes!r}")
         if isinstance(maxsize, bool) or not isinstance(maxsize, int):
             raise TypeError(f"maxsize must be an integer, got {type(maxsize).__name__}")
         self._maxsize = maxsize if maxsize > 0 else 0
-        block = _C.allocate(_C.Ring.footprint(capacity), _RING_NAMED)
-        self._setup(_C.Ring.create(block, capacity, self._maxsize, self._joinable, SPIN_NS))
+        if max_bytes is not None or MAX_GROW_BYTES <= capacity:
+            block = _C.allocate(_C.Ring.footprint(capacity), _RING_NAMED)
+            ring = _C.Ring.create(block, capacity, self._maxsize, self._joinable, SPIN_NS)
+        else:  # Note [Ring growth]: one sparse segment, grown in place
+            block, grow_to = _sparse_block(capacity)
+            ring = _C.Ring.create(block, capacity, self._maxsize, self._joinable, SPIN_NS,
+                                  grow_to, _RING_NAMED or _C.anonymous_backend() == "shm")
+        self._setup(ring)
 
     def _setup(self, ring: _C.Ring) -> None:
         self._ring = ring
         self._closed = False
-        self._max_payload = ring.capacity - _C.Ring.frame_bytes(0)
+        self._max_payload = ring.max_capacity - _C.Ring.frame_bytes(0)
+        # Note [Large items out of line]: larger frames go to an arena block.
+        self._ool = min(OOL_BYTES, ring.capacity // 4)
         _held.add(ring)
         self._finalizer = multiprocessing.util.Finalize(self, _let_go, args=(ring,))
 
@@ -244,13 +284,19 @@ class _RingQueue:
             self._check_closed()
         if type(obj) is bytes:
             tag, data = TAG_BYTES, obj
+            if len(obj) > self._ool:
+                tag, data = TAG_BLOCK, to_block(TAG_BYTES, (obj,))
         else:
             tag = 0
             try:
-                data = dumps(obj)
+                data = dump_item(obj, self._ool)
             except Exception as exc:
                 self._note(exc, obj)
                 raise
+            if type(data) is not bytes:  # the chunks of a large pickle
+                tag, data = TAG_BLOCK, to_block(0, data)
+            elif len(data) > self._ool:
+                tag, data = TAG_BLOCK, to_block(0, (data,))
         if len(data) > self._max_payload:
             raise self._oversize(obj, len(data))
         try:
@@ -295,31 +341,35 @@ class _RingQueue:
         """
         self._check_closed()
         payloads: List[bytes] = []
+        tags: Optional[List[int]] = None
         append = payloads.append
-        limit = self._max_payload
+        limit = self._ool
         obj: Any = None
         try:
             for obj in items:  # bytes items are pickled too here: one tag for the batch
-                data = dumps(obj)
-                if len(data) > limit:
-                    break
+                data = dump_item(obj, limit)
+                tag = 0
+                if type(data) is not bytes or len(data) > limit:
+                    tag, data = TAG_BLOCK, to_block(0, data if type(data) is list else (data,))
+                if tag and tags is None:
+                    tags = [0] * len(payloads)
+                if tags is not None:
+                    tags.append(tag)
                 append(data)
-            else:
-                obj = None
         except Exception as exc:
             self._note(exc, obj)
+            for i, data in enumerate(payloads):
+                release_frame(tags[i] if tags else 0, data)
             raise
-        if obj is not None:
-            raise self._oversize(obj, len(data))
         if not payloads:
             return
         status = -1
         try:
-            status = self._ring.put_many(payloads, None, _timeout(block, timeout))
+            status = self._ring.put_many(payloads, tags, _timeout(block, timeout))
         finally:
             if status:  # Note [Failed puts]
-                for data in payloads:
-                    release_frame(0, data)
+                for i, data in enumerate(payloads):
+                    release_frame(tags[i] if tags else 0, data)
         if status:
             self._raise(status)
 
@@ -339,7 +389,18 @@ class _RingQueue:
             self._raise(status)
         if tags is None:
             return [loads(p) for p in payloads]
-        return [decode(tag, p) for tag, p in zip(tags, payloads)]
+        out, lost = [], None
+        for tag, p in zip(tags, payloads):
+            try:
+                out.append(decode(tag, p))
+            except PeerDiedError as exc:  # Note [Large items out of line]: the rest stands
+                lost = exc
+        if lost is not None:
+            if not out:
+                raise lost
+            warnings.warn(f"get_many: {len(payloads) - len(out)} item(s) lost: {lost}",
+                          RuntimeWarning, stacklevel=2)
+        return out
 
     def _put_frame(self, data: bytes, timeout: float) -> bool:
         """Puts an item pickled by ``_pickling.dumps`` (at most ``max_bytes - 8`` bytes),
@@ -369,7 +430,7 @@ class _RingQueue:
         count, used, _ = self._ring.counts()
         if self._maxsize and count >= self._maxsize:
             return True
-        return used + _C.Ring.frame_bytes(1) > self._ring.capacity
+        return used + _C.Ring.frame_bytes(1) > self._ring.max_capacity
 
     def close(self) -> None:
         """Closes this queue object in this process: later calls on it raise ``ValueError``
@@ -391,7 +452,7 @@ class _RingQueue:
     @property
     def max_bytes(self) -> int:
         """Bytes of frames (pickled items plus 8 bytes each) the queue holds at most."""
-        return self._ring.capacity
+        return self._ring.max_capacity
 
     @property
     def maxsize(self) -> int:
@@ -404,8 +465,9 @@ class Queue(_RingQueue):
 
     Args:
         maxsize: most items queued at once; ``<= 0`` means no item limit.
-        max_bytes: most bytes of pickled items queued at once (default
-            :data:`DEFAULT_MAX_BYTES`, about 4 MiB; reserved in shared memory at creation).
+        max_bytes: most bytes of frames queued at once, a fixed ring reserved at creation.
+            Default: none; the ring starts at :data:`DEFAULT_MAX_BYTES` and grows (up to
+            :data:`MAX_GROW_BYTES`) as items arrive.
         ctx: accepted for compatibility with ``multiprocessing.queues.Queue``; unused.
     """
 
@@ -424,20 +486,21 @@ class JoinableQueue(Queue):
         if self._ring.task_done() == _EMPTY:
             raise ValueError("task_done() called too many times")
 
-    def join(self, timeout: Optional[float] = None) -> bool:
+    def join(self, timeout: Optional[float] = None) -> Optional[bool]:
         """Blocks until every item put has been marked done by :meth:`task_done`.
 
         Args:
-            timeout: most seconds to wait (``None``: for ever; an extension).
+            timeout: most seconds to wait (``None``: for ever; a timeout is an extension).
 
         Returns:
-            True when no task is unfinished, False if ``timeout`` passed first.
+            None without a timeout, as ``multiprocessing``'s; with one, True when no task is
+            unfinished, False if ``timeout`` passed first.
         """
         self._check_closed()
         status = self._ring.join(ring_seconds(timeout, negative_ok=False))
         if status == _CLOSED:
             self._raise(status)
-        return status == _OK
+        return None if timeout is None else status == _OK
 
 
 class SimpleQueue(SimpleQueueCompat, _RingQueue):

@@ -13,6 +13,28 @@ see ``reductions.py``), but it is cheaper to get:
   view of ForkingPickler's reducers over copyreg's (a new ``ForkingPickler`` copies both
   tables: about 3 µs per item with torch's reducers registered).
 
+Note [Large items out of line]
+An item whose frame would be larger than the queue's out-of-line limit (``OOL_BYTES``, 256
+KiB, or a quarter of a small explicit ``max_bytes``) does not go through the ring: its pickle
+is written once into an arena block (the pickler hands over large ``bytes`` payloads without
+copying them, so the item's bytes are copied exactly once on this side), and the ring gets a
+frame of tag ``TAG_BLOCK`` whose payload is the plain pickle of ``(inner tag, block handle,
+nbytes)``. The handle carries one counted reference, as a tensor's does, so everything that
+already holds for handles holds for these frames: a put that fails drops it (Note [Failed
+puts] in ``queues.py``), the last holder's drain drops it (walking the block's pickle for the
+handles nested in it), a producer that exits while its item is in flight leaves an exit
+keeper (Note [Exit keeper] in ``csrc/ipc/fd_keeper.h``), and either sharing strategy works.
+The getter maps the block and unpickles straight from it (one copy on its side, into the
+objects it builds), then drops the reference. So a 1 GB ``bytes`` crosses with one copy per
+side, outside the ring's lock, while the ring itself only holds frames up to the limit (small
+items keep the one-memcpy fast path). What a kill loses: a
+getter killed after taking the frame and before unpickling it leaves the block referenced
+until the block's owner exits (as for any frame); and with the file_descriptor strategy, the
+items a producer put out of line are lost if it is SIGKILLed before a getter maps them (its
+fd server dies with it, as for a tensor it sent): ``get`` raises ``PeerDiedError`` for such an
+item, ``get_many`` leaves it out with a ``RuntimeWarning``, and the queue goes on. A producer
+that exits normally leaves an exit keeper, so nothing is lost then.
+
 Note [Releasing dropped frames]
 A frame can hold references: every block handle pickled inside it carries one (Note [Block
 lifetime] in ``csrc/shm/layout.h``). When the last holder of a queue lets it go with frames
@@ -31,6 +53,7 @@ registered.
 from __future__ import annotations
 
 import copyreg
+import ctypes
 import io
 import logging
 import os
@@ -41,13 +64,19 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, List
 
 from .. import _C
+from ..errors import PeerDiedError
+from .strategy import get_sharing_strategy
 
-__all__ = ["TAG_PICKLE", "TAG_BYTES", "dumps", "loads", "decode", "release_frame"]
+__all__ = ["TAG_PICKLE", "TAG_BYTES", "TAG_BLOCK", "OOL_BYTES", "dumps", "dump_item", "loads",
+           "decode", "release_frame", "to_block"]
 
 log = logging.getLogger(__name__)
 
 TAG_PICKLE = 0
 TAG_BYTES = 1
+TAG_BLOCK = 2  # Note [Large items out of line]
+#: Frames larger than this go out of line (Note [Large items out of line]).
+OOL_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_OOL_BYTES", 256 * 1024))
 PROTOCOL = 5
 PLAIN_TYPES = frozenset({type(None), bool, int, float, str})
 
@@ -118,12 +147,100 @@ def dumps(obj: Any) -> bytes:
         shared.lock.release()
 
 
+def dump_item(obj: Any, limit: int) -> Any:
+    """``dumps(obj)``, except that a pickle larger than ``limit`` made of several chunks comes
+    back as the list of chunks, not joined: :func:`to_block` copies them once (Note [Large
+    items out of line])."""
+    tp = type(obj)
+    if tp in PLAIN_TYPES:
+        return _plain_dumps(obj, PROTOCOL)
+    if tp is tuple and len(obj) <= 8:
+        for x in obj:
+            if type(x) not in PLAIN_TYPES:
+                break
+        else:
+            return _plain_dumps(obj, PROTOCOL)
+    shared = _shared
+    if not shared.lock.acquire(False):
+        parts: List[Any] = []
+        _QueuePickler(_Sink(parts.append), PROTOCOL).dump(obj)
+    else:
+        chunks = shared.chunks
+        try:
+            shared.pickler.dump(obj)
+            if len(chunks) == 1:
+                return chunks[0]
+            parts = chunks[:]
+        finally:
+            chunks.clear()
+            shared.pickler.clear_memo()
+            shared.lock.release()
+    if len(parts) == 1:
+        return parts[0]
+    if sum(len(p) for p in parts) <= limit:
+        return b"".join(parts)
+    return parts
+
+
+def _named() -> bool:
+    return get_sharing_strategy() == "file_system"
+
+
+def to_block(tag: int, parts: Any) -> bytes:
+    """Copies ``parts`` (the frame payload of tag ``tag``) into a new arena block; returns
+    the ``TAG_BLOCK`` payload naming it (Note [Large items out of line])."""
+    nbytes = sum(len(p) for p in parts)
+    block = _C.allocate(max(nbytes, 1), _named())
+    view = memoryview(block)
+    try:
+        at = 0
+        for part in parts:
+            n = len(part)
+            if type(part) is bytes:
+                ctypes.memmove(block.address + at, part, n)  # without the GIL
+            else:
+                view[at:at + n] = memoryview(part).cast("B")
+            at += n
+    finally:
+        view.release()
+    handle = block.share()
+    del block  # the handle's reference is the frame's
+    return _plain_dumps((tag, handle, nbytes), PROTOCOL)
+
+
+def _from_block(data: bytes, use: Callable[[int, memoryview], Any]) -> Any:
+    tag, handle, nbytes = loads(data)
+    try:
+        block = _C.attach(handle)
+    except OSError as exc:
+        raise PeerDiedError(
+            f"a queue item of {nbytes} bytes, stored out of line by process {handle[6]}, is "
+            f"lost: its memory could not be mapped ({exc}). The process that put it most "
+            f"likely was killed before this one received it (Note [Large items out of line]); "
+            f"the queue itself goes on. Keep producers alive until their items are received, "
+            f"or use set_sharing_strategy('file_system')") from exc
+    view = memoryview(block)[:nbytes]
+    try:
+        return use(tag, view)
+    finally:
+        view.release()
+        del block
+
+
+def _decode_view(tag: int, view: memoryview) -> Any:
+    if tag == TAG_BYTES:
+        return view.tobytes()
+    return loads(view)
+
+
 def decode(tag: int, data: bytes) -> Any:
     """The item a frame holds."""
     if tag == TAG_PICKLE:
         return loads(data)
     if tag == TAG_BYTES:
         return data
+    if tag == TAG_BLOCK:
+        return _from_block(data, _decode_view)
     raise ValueError(f"unknown queue frame tag {tag}: was it written by another version?")
 
 
@@ -179,11 +296,19 @@ class _Releaser(pickle.Unpickler):
         return DROPPERS.get((module, name), Inert)
 
 
+def _release_view(tag: int, view: memoryview) -> None:
+    if tag == TAG_PICKLE:
+        _Releaser(io.BytesIO(view)).load()
+
+
 def release_frame(tag: int, data: bytes) -> None:
     """Drops the references a frame nobody will take holds; never raises."""
-    if tag != TAG_PICKLE:
+    if tag not in (TAG_PICKLE, TAG_BLOCK):
         return
     try:
-        _Releaser(io.BytesIO(data)).load()
+        if tag == TAG_BLOCK:
+            _from_block(data, _release_view)
+        else:
+            _Releaser(io.BytesIO(data)).load()
     except Exception:  # a frame we cannot walk: its references stay, as after a crash
         log.debug("could not release the references of a dropped queue item", exc_info=True)
