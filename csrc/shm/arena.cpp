@@ -204,7 +204,28 @@ std::unique_ptr<BlockRef> Arena::allocate_sparse(size_t nbytes, size_t reserved,
     if (auto ref = take_locked(reuse)) return ref;
   }
   std::string address = FdServer::instance().address();
-  auto mapping = create_segment(spec);
+  std::shared_ptr<Mapping> mapping;
+  try {
+    mapping = create_segment(spec);
+  } catch (const SyscallError& e) {
+    // As in new_segment_locked: out of room or fds, the cached free segments hold both.
+    if (e.err() != ENOSPC && e.err() != ENOMEM && e.err() != EMFILE && e.err() != ENFILE) {
+      throw;
+    }
+    size_t released = trim_locked(0);
+    for (auto it = sparse_.begin(); it != sparse_.end();) {
+      if (fully_free(**it)) {
+        released += (*it)->size();
+        std::lock_guard<std::mutex> rlock(registry.mutex());
+        registry.retire_locked(*it);
+        it = sparse_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (released == 0) throw;
+    mapping = create_segment(spec);
+  }
   std::snprintf(mapping->header()->name, NAME_CAPACITY, "%s", address.c_str());
   sparse_.push_back(mapping);
   {
