@@ -242,7 +242,8 @@ class Harness:
         if problems:
             self.violations.append((scenario.__name__, problems[:5]))
             if os.environ.get("TMX_KILL_PROGRESS"):
-                print("VIOLATION", scenario.__name__, self.mode, problems[:8], file=sys.stderr, flush=True)
+                print("VIOLATION", scenario.__name__, self.mode, problems[:8],
+                      file=sys.stderr, flush=True)
 
 
 def main() -> None:
