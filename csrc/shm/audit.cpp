@@ -11,7 +11,9 @@
 //   3. A block's refcount is at least the number of holder bits set on it (each bit is one
 //      counted reference, Note [Dead holders]); over the segment, references not marked by a
 //      bit are exactly the handles in flight (`inflight`), so nothing was dropped twice and
-//      nothing leaked (holders beyond the 128-slot table are the one blind spot).
+//      nothing leaked (holders beyond the 128-slot table are the one blind spot). A process
+//      killed inside a count-then-mark window leaks one reference: reported prefixed
+//      "leak: " (wasted memory until the owner exits, never a block freed under a user).
 //   4. This process's bit on a block is set iff it holds the block (its local count).
 //   5. With `reclaimed` (after the survivors' repair): no dead process keeps a holder bit.
 // Other processes may change the counts while the audit reads them: call it when they are
@@ -97,6 +99,7 @@ std::vector<std::string> Registry::audit(bool reclaimed) {
     }
     if (masks == nullptr) continue;
     int64_t unmarked = 0;
+    std::string unmarked_blocks;
     for (uint32_t i = 0; i < n; ++i) {  // 3. and 4.
       if (is_free[i]) continue;
       int64_t count = slots[i].refcount.load(std::memory_order_acquire);
@@ -106,6 +109,10 @@ std::vector<std::string> Registry::audit(bool reclaimed) {
                std::to_string(bits) + " processes hold it: a reference was dropped twice");
       }
       unmarked += count - bits;
+      if (count > bits && unmarked_blocks.size() < 200) {
+        unmarked_blocks += " " + std::to_string(i) + ":" + std::to_string(count) + "/" +
+                           std::to_string(bits);
+      }
       if (m.holder_index >= 0) {
         int slot = m.holder_index;
         bool mine = (masks[i].bits[slot / 64].load() >> (slot % 64)) & 1;
@@ -118,9 +125,13 @@ std::vector<std::string> Registry::audit(bool reclaimed) {
     }
     int64_t inflight = h->inflight.load(std::memory_order_acquire);
     if (pooled && unmarked != inflight) {
-      report("segment " + std::to_string(id) + ": " + std::to_string(unmarked) +
+      // More than in flight: a process died between counting a reference and marking it
+      // (or between unmarking and dropping it): leaked, never freed early (Note [Dead
+      // holders]). Fewer: something was dropped that nobody marked: corruption.
+      report(std::string(unmarked > inflight ? "leak: " : "") + "segment " +
+             std::to_string(id) + ": " + std::to_string(unmarked) +
              " references held by no registered process, but " + std::to_string(inflight) +
-             " handles in flight");
+             " handles in flight (block:refcount/holders" + unmarked_blocks + ")");
     }
     if (!reclaimed) continue;
     for (size_t slot = 0; slot < MAX_HOLDERS; ++slot) {  // 5.

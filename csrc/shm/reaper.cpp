@@ -47,16 +47,16 @@ bool half_made_segment(const std::string& path) {
   if (!fd.valid()) return false;
   SegmentHeader h;
   ssize_t n = ::pread(fd.get(), &h, sizeof(h), 0);
-  bool zeros = n <= 0 || (n >= static_cast<ssize_t>(sizeof(uint64_t) * 3) && h.magic == 0 &&
-                          h.layout_version == 0 && h.segment_id == 0);
-  return zeros && our_name_format(path.substr(path.rfind('/') + 1));
+  // The creator writes the magic last (create_segment): without it the header never was.
+  bool unfinished = n < static_cast<ssize_t>(sizeof(uint64_t)) || h.magic == 0;
+  return unfinished && our_name_format(path.substr(path.rfind('/') + 1));
 }
 
 namespace {
 
 bool is_garbage(const std::string& path, const ReapOptions& options) {
   // Note [Half-made segments]: a creator killed between O_EXCL-creating the name and
-  // writing the header leaves an empty file or one of zeros, which nobody ever held.
+  // writing the header's magic (last) leaves a file without it, which nobody ever held.
   if (half_made_segment(path)) return true;
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   if (!fd.valid()) return false;

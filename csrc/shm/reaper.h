@@ -20,8 +20,8 @@ struct ReapOptions {
 /// Returns the names removed (or that would be, with dry_run).
 std::vector<std::string> reap_dead_segments(const ReapOptions& options);
 
-/// Note [Half-made segments]: `path` is one of our names (exact format) whose header was
-/// never written (a creator killed between creating the name and writing the header). Only
+/// Note [Half-made segments]: `path` is one of our names (exact format) whose header's magic
+/// (written last) was never written: its creator was killed while creating it. Only
 /// meaningful once the creator is known dead.
 bool half_made_segment(const std::string& path);
 

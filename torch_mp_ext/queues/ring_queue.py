@@ -473,7 +473,18 @@ class Queue(_RingQueue):
 
 
 class JoinableQueue(Queue):
-    """``multiprocessing.JoinableQueue``: a :class:`Queue` that counts unfinished tasks."""
+    """``multiprocessing.JoinableQueue``: a :class:`Queue` that counts unfinished tasks.
+
+    Note [Unfinished tasks of a killed consumer]
+    The unfinished count lives in the ring's state and changes in the same commit as the
+    frames (Note [Ring commit]): a put that committed counted its items, one that did not
+    counted nothing, whatever instruction its process died at. A get does not change it. So
+    an item taken by a consumer that was killed before calling ``task_done()`` stays
+    unfinished, exactly as with ``multiprocessing``: ``join()`` waits for it (and returns
+    False after ``timeout``). A supervisor that restarts consumers calls ``task_done()`` once
+    for each item a dead consumer took and never finished, if it wants ``join()`` to return.
+    The kill-anywhere harness (tests/_kill_anywhere.py) checks the count after every kill.
+    """
 
     _joinable = True
 
