@@ -23,6 +23,7 @@ from multiprocessing import context as _ctx
 import torch
 
 from ..sharing import strategy as sharing
+from . import dataloader
 
 __all__ = ["ForkProcess", "SpawnProcess", "StrategyCarrier"]
 
@@ -52,6 +53,12 @@ class StrategyCarrier:
             super().start()  # type: ignore[misc]
         finally:
             _forking_our_child = False
+
+    def run(self) -> None:
+        # Note [Batches born in the arena] (dataloader.py): only DataLoader worker processes.
+        if dataloader.is_worker_loop(getattr(self, "_target", None)):
+            dataloader.install()
+        super().run()  # type: ignore[misc]
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
