@@ -146,8 +146,8 @@ def test_stock_loaders_are_untouched():
     for batch in _loader(multiprocessing.get_context("fork")):
         assert batch["image"].untyped_storage().is_shared()  # torch's own segment
         assert not _in_block(batch["image"])
-    for batch in _loader(mp.get_context("fork")):  # the main process is never patched
-        pass
+    assert len(list(_loader(mp.get_context("fork")))) == N // 4  # never patches the main
+
     assert torch.UntypedStorage._new_shared == before and not dataloader.installed()
 
 
@@ -157,7 +157,8 @@ def test_the_torch_internals_we_rely_on_exist():
     assert dataloader.is_worker_loop(worker._worker_loop)
     assert not dataloader.is_worker_loop(worker.get_worker_info)
     params = inspect.signature(torch.UntypedStorage._new_shared).parameters
-    assert list(params) == ["size", "device"] and params["device"].kind == params["device"].KEYWORD_ONLY
+    assert list(params) == ["size", "device"]
+    assert params["device"].kind == inspect.Parameter.KEYWORD_ONLY
     assert "_new_shared(" in inspect.getsource(collate.collate_tensor_fn)
 
 
@@ -221,3 +222,27 @@ def test_nothing_left_after_break_or_deleting_the_loader(method):
         time.sleep(0.05)
     assert not any(w.is_alive() for w in workers)
     # (the autouse leak check then asserts no /dev/shm entry, fd or process is left)
+
+
+class Large(Dataset):
+    """1 MiB samples: batches of 4 MiB, each in a segment of its own."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((256, 1024), float(i))
+
+
+def test_epochs_do_not_accumulate_mappings():
+    """Note [Idle mappings of a gone owner]: each epoch's workers exit and retire their
+    segments; the main process drops its idle mappings of them instead of keeping them."""
+    loader = _loader(mp.get_context("fork"), Large())
+    mapped = []
+    for _ in range(4):
+        assert [b[0, 0, 0].item() for b in loader] == [4.0 * i for i in range(8)]
+        mapped.append(mp.memory_stats()["mapped_bytes"])
+    # One epoch maps at most its 8 batch segments (plus the queues): not 4 epochs' worth.
+    assert max(mapped) <= 8 * (4 << 20) + (16 << 20), mapped
+    mp.empty_cache()  # drops the last epoch's idle mappings too (its workers are gone)
+    assert mp.memory_stats()["mapped_bytes"] < (4 << 20) + (16 << 20), mapped

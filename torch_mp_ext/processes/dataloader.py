@@ -53,9 +53,8 @@ def arena_new_shared(cls: Any, size: int, *, device: Any = "cpu") -> Any:
     """``UntypedStorage._new_shared`` of a worker: a CPU storage of ``size`` bytes over an
     arena block (Note [Batches born in the arena]); other devices and empty storages go to
     torch's implementation."""
-    original = _torch_new_shared
-    assert original is not None  # only ever installed by install()
     if size <= 0 or cls is not torch.UntypedStorage or torch.device(device).type != "cpu":
+        original = _torch_new_shared or torch.UntypedStorage._new_shared
         return original(size, device=device)
     return memory.storage_from_block(memory.allocate(size), 0, size)
 
@@ -76,5 +75,6 @@ def install() -> bool:
     if original is None:
         return False
     _torch_new_shared = original
-    torch.UntypedStorage._new_shared = classmethod(arena_new_shared)  # type: ignore[assignment,method-assign]
+    patched: Any = classmethod(arena_new_shared)
+    torch.UntypedStorage._new_shared = patched  # type: ignore[method-assign]
     return True
