@@ -10,11 +10,11 @@ samples, batch 64 (10 MB / 38 MB batches); fork and spawn; 2 workers. The main l
 every byte of each batch (a byte-wise ``max``: at memory speed whatever the dtype, where a
 ``sum`` of uint8 costs ~90 ms a batch and would measure torch's reduction instead). Rounds
 are interleaved (default, ours, default, ours, ...) and the table reports medians of
-batches/s, timed once every worker has delivered a batch (worker start-up is not part of
-it), plus the peak memory seen while iterating: PSS summed over the main process and its
-workers (shared pages counted once), and the growth of the system's shared memory
-(``Shmem`` in /proc/meminfo: /dev/shm files and anonymous shared segments alike; other
-programs on the machine add noise to it).
+batches/s, timed from when every worker has delivered a batch to the last batch (worker
+start-up and shutdown are not part of it), plus the peak memory seen while iterating: PSS
+summed over the main process and its workers (shared pages counted once), and the growth of
+the system's shared memory (``Shmem`` in /proc/meminfo: /dev/shm files and anonymous shared
+segments alike; other programs on the machine add noise to it).
 
 The main process runs torch with one intra-op thread, as the workers do (DataLoader sets
 that in them): on a machine with few cores, the main process's idle OpenMP threads otherwise
@@ -113,12 +113,13 @@ def run_once(context: str, method: str, row: str, n_batches: int,
         next(it)
     sampler = MemorySampler([os.getpid(), *(w.pid for w in it._workers)])
     sampler.start()
-    t0 = time.perf_counter()
+    t0 = t_last = time.perf_counter()
     count = 0
     for images, _labels in it:
         images.view(torch.uint8).max()  # the main loop reads every byte of the batch
         count += 1
-    elapsed = time.perf_counter() - t0
+        t_last = time.perf_counter()  # not the workers' shutdown after the last batch
+    elapsed = t_last - t0
     pss, shmem = sampler.finish()
     del it, loader, images, _labels
     if count != n_batches - workers:

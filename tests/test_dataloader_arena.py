@@ -169,7 +169,8 @@ class Broken(Rich):
         return super().__getitem__(i)
 
 
-@pytest.mark.parametrize("method", METHODS)
+# spawn: tests/test_dataloader.py::test_a_worker_exception_is_reraised_and_cleanup_is_quiet
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_a_worker_exception_gives_torchs_error(method):
     loader = _loader(mp.get_context(method), Broken())
     seen = []
