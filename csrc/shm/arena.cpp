@@ -275,6 +275,7 @@ size_t Arena::reclaim_locked(const std::vector<std::shared_ptr<Mapping>>& segmen
 size_t Arena::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [size, segments] : pools_) reclaim_locked(segments);
+  Registry::instance().drop_orphaned_idle();  // Note [Idle mappings of a gone owner]
   reclaim_locked(sparse_);
   size_t released = 0;
   {

@@ -235,23 +235,32 @@ void Registry::maybe_unmap_locked(const std::shared_ptr<Mapping>& mapping) {
   }
   idle_.remove(mapping);
   idle_.push_back(mapping);
-  sweep_idle_locked();
+  sweep_idle_locked(false);
 }
 
-void Registry::sweep_idle_locked() {
+// Note [Idle mappings of a gone owner] in registry.h.
+size_t Registry::sweep_idle_locked(bool check_owners) {
+  size_t dropped = 0;
   for (auto it = idle_.begin(); it != idle_.end();) {
     SegmentHeader* h = (*it)->header();
     bool drop = (h->flags.load(std::memory_order_acquire) & FLAG_RETIRED) ||
-                idle_.size() > MAX_IDLE_MAPPINGS;
+                idle_.size() > MAX_IDLE_MAPPINGS || (check_owners && owner_gone(h));
     if (drop) {
       auto mapping = *it;
       it = idle_.erase(it);
       by_address_.erase(reinterpret_cast<uintptr_t>(mapping->data_begin()));
       by_id_.erase(mapping->id());
+      ++dropped;
     } else {
       ++it;
     }
   }
+  return dropped;
+}
+
+size_t Registry::drop_orphaned_idle() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sweep_idle_locked(true);
 }
 
 std::shared_ptr<Mapping> Registry::map_handle(const Handle& handle, double timeout) {
@@ -275,7 +284,7 @@ std::shared_ptr<Mapping> Registry::map_handle(const Handle& handle, double timeo
   }
   std::lock_guard<std::mutex> lock(mu_);
   auto kept = insert_locked(mapping);
-  if (kept == mapping && !mapping->named()) sweep_idle_locked();
+  if (kept == mapping && !mapping->named()) sweep_idle_locked(true);
   return kept;
 }
 
@@ -388,6 +397,9 @@ void Registry::release_all() {
       if (mapping->owned && mapping->fd() >= 0) {
         SegmentHeader* h = mapping->header();
         kept.push_back({h->segment_id, h->secret, mapping->fd(), h});
+        // Nobody allocates from it again: receivers may drop their idle mappings (Note
+        // [Idle mappings of a gone owner] in registry.h).
+        h->flags.fetch_or(FLAG_RETIRED, std::memory_order_acq_rel);
       }
     }
   }

@@ -5,6 +5,16 @@
 // owner's fd server, map, and close it at once). So receiving 10,000 tensors costs no fds,
 // and sending them costs one fd per arena segment, not one per tensor.
 //
+// Note [Idle mappings of a gone owner]
+// A receiver keeps up to MAX_IDLE_MAPPINGS mappings with no live block (LRU), so a block the
+// owner hands out again is already mapped and faulted in. A mapping whose owner has gone is
+// useless and pins its memory: a DataLoader epoch's exited workers left their batch segments
+// (tens of MB each) mapped in the main process, epoch after epoch. So an owner retires every
+// segment it owns when it releases its references at exit (release_all), and idle mappings
+// of retired segments go at the next sweep (each mapping turning idle: one atomic load per
+// idle mapping). A SIGKILLed owner retires nothing: sweeps that map a new segment, and
+// drop_orphaned_idle() (empty_cache()), also drop idle mappings whose owner pid is gone.
+//
 // Note [Mappings and fork]
 // After fork(2) the child inherits every mapping and every live BlockRef, but holds no counted
 // reference yet: the atfork child handler increments each inherited block once, registers the
@@ -109,6 +119,9 @@ class Registry {
   /// Drops every reference this process still holds (interpreter exit); later BlockRef
   /// destructions are no-ops.
   void release_all();
+  /// Unmaps idle mappings of segments whose owner retired them or is gone (Note [Idle
+  /// mappings of a gone owner]); returns how many.
+  size_t drop_orphaned_idle();
   /// Drops the references of dead processes on every mapped segment (Note [Dead holders]);
   /// returns how many were dropped.
   size_t reclaim_dead_holders();
@@ -140,7 +153,7 @@ class Registry {
   void unlink_locked(BlockRef* ref);
   void maybe_unmap_locked(const std::shared_ptr<Mapping>& mapping);
   void erase_locked(const std::shared_ptr<Mapping>& mapping);
-  void sweep_idle_locked();
+  size_t sweep_idle_locked(bool check_owners);
 
   std::mutex mu_;
   std::unordered_map<uint64_t, std::shared_ptr<Mapping>> by_id_;

@@ -3,6 +3,7 @@
 - :mod:`.context`: start-method contexts (``get_context``) whose processes carry the sharing
   strategy and whose queues are :mod:`torch_mp_ext.queues`'.
 - :mod:`.forkserver`: the fast forkserver (torch preloaded), behind ``"forkserver"``.
+- :mod:`.dataloader`: DataLoader workers started by our contexts collate into arena blocks.
 - :mod:`.worker`: what runs in each worker before ``fn``; error files; dying with the parent.
 - :mod:`.exits`: why a process ended, explained.
 - :mod:`.spawn`: ``spawn``/``start_processes``/``ProcessContext`` (torch's algorithm).

@@ -25,6 +25,7 @@ import torch
 
 from ..sharing import memory as _memory
 from ..sharing import strategy as sharing
+from . import dataloader
 
 __all__ = ["ForkProcess", "SpawnProcess", "StrategyCarrier"]
 
@@ -61,6 +62,12 @@ class StrategyCarrier:
         if code is not None and not getattr(self, "_tmx_reclaimed", False):
             self._tmx_reclaimed = True
             _memory.reclaim_after_death()
+
+    def run(self) -> None:
+        # Note [Batches born in the arena] (dataloader.py): only DataLoader worker processes.
+        if dataloader.is_worker_loop(getattr(self, "_target", None)):
+            dataloader.install()
+        super().run()  # type: ignore[misc]
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
