@@ -68,6 +68,17 @@ def test_forged_geometry_raises_naming_the_field(worker):
     assert worker.run({"kind": "segment", "api": "tensor", "writes": []})[0] == "ok"
 
 
+def test_offsets_near_2_63_do_not_wrap_the_bounds_checks(worker):
+    """numpy's buffer check wraps around for an offset near 2^63 (found by the fuzz suite:
+    a SIGSEGV); the rebuild checks the extent on Python integers first."""
+    for api in ("array", "tensor", "storage"):
+        case = {"kind": "segment", "writes": [], "api": api,
+                "args": {"offset": 2**63 - 4096}}
+        outcome, kind, message = worker.run(case)
+        assert (outcome, kind) == ("raised", "ValueError"), (api, message)
+        assert "does not fit" in message
+
+
 def test_a_free_stack_index_out_of_range_raises_and_the_owner_recovers(worker):
     head = field(SEG_FIELDS, "free_head", (7 << 32) | 5000)
     outcome, kind, message = worker.run({"kind": "owned", "nbytes": 1000, "writes": [head]})

@@ -22,7 +22,7 @@ from __future__ import annotations
 import multiprocessing.util
 import os
 import threading
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import torch
@@ -73,8 +73,19 @@ def allocate(nbytes: int, strategy: Optional[str] = None) -> _C.Block:
     return _C.allocate(nbytes, named)
 
 
+def _check_span(block: _C.Block, offset: Any, nbytes: Any, what: str) -> None:
+    """``[offset, offset + nbytes)`` must lie inside ``block`` (checked on Python integers:
+    the libraries' own checks wrap around near 2^63, and a handle can carry anything)."""
+    if (isinstance(offset, bool) or not isinstance(offset, int) or isinstance(nbytes, bool)
+            or not isinstance(nbytes, int) or offset < 0 or nbytes < 0
+            or offset + nbytes > block.capacity):
+        raise ValueError(f"{what} of {nbytes!r} bytes at offset {offset!r} does not fit in a "
+                         f"shared-memory block of {block.capacity} bytes")
+
+
 def storage_from_block(block: _C.Block, offset: int, nbytes: int) -> torch.UntypedStorage:
     """A CPU storage viewing ``nbytes`` of ``block`` from ``offset``; keeps ``block`` alive."""
+    _check_span(block, offset, nbytes, "a storage")
     view = torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=offset)
     return view.untyped_storage()
 
@@ -83,9 +94,42 @@ def array_from_block(
     block: _C.Block, offset: int, shape: tuple, dtype: np.dtype, strides: Optional[tuple]
 ) -> np.ndarray:
     """A numpy array viewing ``block`` (its ``base`` keeps the block alive)."""
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise ValueError(f"arrays of dtype {dtype} hold Python objects and cannot view shared "
+                         "memory")
+    if not isinstance(shape, tuple) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ValueError(f"an array's shape must be a tuple of non-negative integers, got "
+                         f"{shape!r}")
+    if strides is not None and (not isinstance(strides, tuple) or len(strides) != len(shape)
+                                or not all(isinstance(s, int) and not isinstance(s, bool)
+                                           for s in strides)):
+        raise ValueError(f"strides {strides!r} do not match shape {shape!r}")
+    # The extent on Python integers: numpy's own check wraps around for offsets near 2^63.
+    low = high = 0
+    numel = 1
+    for i, n in enumerate(shape):
+        numel *= n
+        step = dtype.itemsize * _prod(shape[i + 1:]) if strides is None else strides[i]
+        if step < 0:
+            low += step * max(n - 1, 0)
+        else:
+            high += step * max(n - 1, 0)
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"an array's offset must be an integer, got {offset!r}")
+    if numel > 0:
+        _check_span(block, offset + low, high - low + dtype.itemsize, "an array")
     # Block has the buffer protocol; numpy's stubs do not know it.
     return np.ndarray(shape, dtype=dtype, buffer=block,  # type: ignore[arg-type]
                       offset=offset, strides=strides)
+
+
+def _prod(dims: tuple) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
 
 
 def in_block(address: int, nbytes: int) -> bool:
