@@ -235,9 +235,14 @@ class Large(Dataset):
         return torch.full((256, 1024), float(i))
 
 
-def test_epochs_do_not_accumulate_mappings():
+def test_epochs_do_not_accumulate_mappings(monkeypatch):
     """Note [Idle mappings of a gone owner]: each epoch's workers exit and retire their
     segments; the main process drops its idle mappings of them instead of keeping them."""
+    # Fixed-size queues: a growable ring maps 64 GiB of address space (Note [Ring growth]),
+    # which mapped_bytes counts; this test counts batch segments.
+    from torch_mp_ext.queues import ring_queue
+
+    monkeypatch.setattr(ring_queue, "MAX_GROW_BYTES", ring_queue.DEFAULT_MAX_BYTES)
     loader = _loader(mp.get_context("fork"), Large())
     mapped = []
     for _ in range(4):
