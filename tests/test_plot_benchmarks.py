@@ -45,7 +45,7 @@ def plot(files: list, out: Path) -> subprocess.CompletedProcess:
 def test_quick_benchmark_run_writes_json_that_plots(tmp_path):
     out = tmp_path / "queue.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_queue.py"), "--rounds", "1",
-           "--small-items", "500", "--big-items", "4", "--json", str(out)]
+           "--small-items", "500", "--big-items", "4", "--huge-items", "1", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -56,8 +56,8 @@ def test_quick_benchmark_run_writes_json_that_plots(tmp_path):
     libs = {r["series"] for r in doc["rows"]}
     assert {"torch_mp_ext", "multiprocessing", "torch.multiprocessing"} <= libs
     assert all(r["median_items_per_s"] > 0 for r in doc["rows"])
-    # 3 workloads: int and small tuple twice (put/get, batched), 1 MB once
-    assert len(doc["rows"]) == 5 * len(libs)
+    # 4 workloads: int and small tuple twice (put/get, batched), 1 MB and 64 MB once
+    assert len(doc["rows"]) == 6 * len(libs)
 
     done = plot([out], tmp_path / "img")
     assert done.returncode == 0, done.stderr
