@@ -91,17 +91,7 @@ std::shared_ptr<Mapping> Arena::new_segment_locked(uint64_t block_size) {
   spec.nblocks = blocks_per_segment(block_size);
   spec.named = false;
   spec.flags = FLAG_FREE_ON_ZERO;
-  std::shared_ptr<Mapping> mapping;
-  try {
-    mapping = create_segment(spec);
-  } catch (const SyscallError& e) {
-    // Out of room or out of fds: the cache of free segments holds both (one fd each).
-    if (e.err() != ENOSPC && e.err() != ENOMEM && e.err() != EMFILE && e.err() != ENFILE) {
-      throw;
-    }
-    if (trim_locked(0) == 0) throw;
-    mapping = create_segment(spec);  // the cache held the room we needed
-  }
+  std::shared_ptr<Mapping> mapping = create_or_trim_locked(spec);
   std::snprintf(mapping->header()->name, NAME_CAPACITY, "%s", address.c_str());
   pools_[block_size].push_back(mapping);
   auto& registry = Registry::instance();
@@ -204,28 +194,7 @@ std::unique_ptr<BlockRef> Arena::allocate_sparse(size_t nbytes, size_t reserved,
     if (auto ref = take_locked(reuse)) return ref;
   }
   std::string address = FdServer::instance().address();
-  std::shared_ptr<Mapping> mapping;
-  try {
-    mapping = create_segment(spec);
-  } catch (const SyscallError& e) {
-    // As in new_segment_locked: out of room or fds, the cached free segments hold both.
-    if (e.err() != ENOSPC && e.err() != ENOMEM && e.err() != EMFILE && e.err() != ENFILE) {
-      throw;
-    }
-    size_t released = trim_locked(0);
-    for (auto it = sparse_.begin(); it != sparse_.end();) {
-      if (fully_free(**it)) {
-        released += (*it)->size();
-        std::lock_guard<std::mutex> rlock(registry.mutex());
-        registry.retire_locked(*it);
-        it = sparse_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    if (released == 0) throw;
-    mapping = create_segment(spec);
-  }
+  std::shared_ptr<Mapping> mapping = create_or_trim_locked(spec);
   std::snprintf(mapping->header()->name, NAME_CAPACITY, "%s", address.c_str());
   sparse_.push_back(mapping);
   {
@@ -277,20 +246,38 @@ size_t Arena::empty_cache() {
   for (auto& [size, segments] : pools_) reclaim_locked(segments);
   Registry::instance().drop_orphaned_idle();  // Note [Idle mappings of a gone owner]
   reclaim_locked(sparse_);
+  size_t released = retire_free_sparse_locked();
+  return released + trim_locked(0);
+}
+
+size_t Arena::retire_free_sparse_locked() {
   size_t released = 0;
-  {
-    auto& registry = Registry::instance();
-    std::lock_guard<std::mutex> rlock(registry.mutex());
-    for (auto it = sparse_.begin(); it != sparse_.end();) {
-      if (fully_free(**it)) {
-        registry.retire_locked(*it);
-        it = sparse_.erase(it);
-      } else {
-        ++it;
-      }
+  auto& registry = Registry::instance();
+  std::lock_guard<std::mutex> lock(registry.mutex());
+  for (auto it = sparse_.begin(); it != sparse_.end();) {
+    if (fully_free(**it)) {
+      released += (*it)->size();
+      registry.retire_locked(*it);
+      it = sparse_.erase(it);
+    } else {
+      ++it;
     }
   }
-  return released + trim_locked(0);
+  return released;
+}
+
+std::shared_ptr<Mapping> Arena::create_or_trim_locked(const SegmentSpec& spec) {
+  try {
+    return create_segment(spec);
+  } catch (const SyscallError& e) {
+    // Out of room or out of fds: the cached free segments hold both (one fd each, and
+    // their pages). Drop them and try once more.
+    if (e.err() != ENOSPC && e.err() != ENOMEM && e.err() != EMFILE && e.err() != ENFILE) {
+      throw;
+    }
+    if (trim_locked(0) + retire_free_sparse_locked() == 0) throw;
+    return create_segment(spec);
+  }
 }
 
 ArenaStats Arena::stats() {

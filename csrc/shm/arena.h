@@ -67,6 +67,11 @@ class Arena {
   size_t reclaim_locked(const std::vector<std::shared_ptr<Mapping>>& segments);
   size_t trim_locked(size_t keep_bytes);
   std::shared_ptr<Mapping> new_segment_locked(uint64_t block_size);
+  /// Retires the sparse segments none of whose block is in use; returns their bytes.
+  size_t retire_free_sparse_locked();
+  /// create_segment, retried once after dropping cached free segments when it failed for
+  /// lack of room or fds.
+  std::shared_ptr<Mapping> create_or_trim_locked(const SegmentSpec& spec);
 
   std::mutex mu_;
   std::map<uint64_t, std::vector<std::shared_ptr<Mapping>>> pools_;
