@@ -174,6 +174,7 @@ def plot_dataloader(doc: dict[str, Any], path: str) -> str:
     _grouped_bars(ax, groups, series, lambda g, s: cell.get((g, s)))
     ax.set_ylabel("batches/s")
     ax.set_xlabel("start method")
+    ax.tick_params(axis="x", labelrotation=20)  # "(row) method" labels are long
     return _save(fig, path)
 
 
