@@ -55,12 +55,9 @@ def _close_fds(*fds: int) -> None:
             pass
 
 
-class _Writer:
-    """``SimpleQueue._writer``: ``send`` puts; ``close`` closes only this end, as a worker's
-    ``_writer.close()`` does in ``multiprocessing.pool``."""
-
-    readable = False
-    writable = True
+class _End:
+    """What both ends share: closing one closes only that end (as a worker's
+    ``_writer.close()`` does in ``multiprocessing.pool``); closing the queue closes both."""
 
     def __init__(self, q: Any) -> None:  # a SimpleQueueCompat, which is a _RingQueue
         self._q = q
@@ -70,28 +67,27 @@ class _Writer:
     def closed(self) -> bool:
         return self._own_closed or self._q._closed
 
-    def send(self, obj: Any) -> None:
-        self._q.put(obj)
-
     def close(self) -> None:
         self._own_closed = True
 
 
-class _Reader:
+class _Writer(_End):
+    """``SimpleQueue._writer``: ``send`` puts; ``close`` closes only this end."""
+
+    readable = False
+    writable = True
+
+    def send(self, obj: Any) -> None:
+        self._q.put(obj)
+
+
+class _Reader(_End):
     """``SimpleQueue._reader``: what a ``multiprocessing.connection.Connection`` reader offers
     (``recv``, ``poll``, ``fileno``, ``closed``, ``close``); waitable with
     ``multiprocessing.connection.wait``."""
 
     readable = True
     writable = False
-
-    def __init__(self, q: Any) -> None:  # a SimpleQueueCompat, which is a _RingQueue
-        self._q = q
-        self._own_closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._own_closed or self._q._closed
 
     def _check(self) -> None:
         if self.closed:
@@ -120,8 +116,6 @@ class _Reader:
             pass
         return q._doorbell[0]
 
-    def close(self) -> None:
-        self._own_closed = True
 
 
 class SimpleQueueCompat:

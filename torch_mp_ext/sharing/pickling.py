@@ -61,7 +61,7 @@ import pickle
 import threading
 from collections import ChainMap
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 from .. import _C
 from ..errors import PeerDiedError
@@ -121,17 +121,25 @@ def _reset_after_fork() -> None:  # another thread may have held the lock at for
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def dumps(obj: Any) -> bytes:
-    """``ForkingPickler.dumps(obj, 5)``, as bytes (Note [Pickling queue items])."""
+def _plain(obj: Any) -> Optional[bytes]:
+    """The plain pickler's bytes for a plain value or a small tuple of them (the common
+    message: no reducer can apply), else None."""
     tp = type(obj)
     if tp in PLAIN_TYPES:
         return _plain_dumps(obj, PROTOCOL)
-    if tp is tuple and len(obj) <= 8:  # small records of plain values: the common message
+    if tp is tuple and len(obj) <= 8:
         for x in obj:
             if type(x) not in PLAIN_TYPES:
-                break
-        else:
-            return _plain_dumps(obj, PROTOCOL)
+                return None
+        return _plain_dumps(obj, PROTOCOL)
+    return None
+
+
+def dumps(obj: Any) -> bytes:
+    """``ForkingPickler.dumps(obj, 5)``, as bytes (Note [Pickling queue items])."""
+    plain = _plain(obj)
+    if plain is not None:
+        return plain
     shared = _shared
     if not shared.lock.acquire(False):
         out = io.BytesIO()
@@ -151,15 +159,9 @@ def dump_item(obj: Any, limit: int) -> Any:
     """``dumps(obj)``, except that a pickle larger than ``limit`` made of several chunks comes
     back as the list of chunks, not joined: :func:`to_block` copies them once (Note [Large
     items out of line])."""
-    tp = type(obj)
-    if tp in PLAIN_TYPES:
-        return _plain_dumps(obj, PROTOCOL)
-    if tp is tuple and len(obj) <= 8:
-        for x in obj:
-            if type(x) not in PLAIN_TYPES:
-                break
-        else:
-            return _plain_dumps(obj, PROTOCOL)
+    plain = _plain(obj)
+    if plain is not None:
+        return plain
     shared = _shared
     if not shared.lock.acquire(False):
         parts: List[Any] = []
