@@ -60,9 +60,9 @@ def identity(x):
 
 def die_in_doorbell(q, point, op):
     """SIGKILLed at `point` of the doorbell protocol (_queue_compat.CRASH_*) in a put or get."""
-    from torch_mp_ext.queues import compat as _queue_compat
+    from torch_mp_ext import _C
 
-    _queue_compat.crash_point = point
+    _C.Ring.set_crash_point(point)
     if op == "put":
         q.put("from the dead")
     else:
@@ -87,12 +87,9 @@ def make_tensors_then_die(n, ready):
 def _arm(point):
     """Positive: a ring crash point (_C.set_crash_point); negative: a doorbell one."""
     from torch_mp_ext import _C
-    from torch_mp_ext.queues import compat as _queue_compat
 
-    if point > 0:
-        _C.Ring.set_crash_point(point)
-    elif point < 0:
-        _queue_compat.crash_point = -point
+    if point != 0:
+        _C.Ring.set_crash_point(abs(point))
 
 
 def produce_tagged(q, n, point):

@@ -144,6 +144,7 @@ def test_a_process_killed_inside_the_doorbell_protocol_never_wedges_wait(point, 
     wait() on _reader (it asks for fileno() first) and any survivor's put repair that."""
     ctx = mp.get_context("fork")
     q = ctx.SimpleQueue()
+    q._reader.fileno()  # someone watches the pipe: the doorbell is on (Note [Doorbell])
     if op == "get":
         q.put("taken by the victim")
         q.put("left for us")

@@ -217,6 +217,30 @@ needs_unshare = pytest.mark.skipif(
 
 
 @needs_unshare
+def test_pages_of_released_blocks_are_back_before_the_next_allocation_fails():
+    """Note [Unmapping off the caller's path]: large mappings are unmapped by a background
+    thread, so right after a release the pages may still be held; an allocation that finds
+    /dev/shm full waits for those unmaps and retries instead of failing."""
+    script = textwrap.dedent(
+        """
+        import torch, torch_mp_ext as mp
+        for strategy, backend in (("file_system", None), ("file_descriptor", "shm")):
+            mp.set_sharing_strategy(strategy)
+            if backend:
+                mp._C.set_anonymous_backend(backend)
+            for i in range(20):  # 40 MB of a 64 MB /dev/shm, again and again
+                t = mp.empty(10 << 20)
+                t.fill_(i)
+                del t
+                mp.empty_cache()
+        print("ok")
+        """
+    )
+    done = _in_small_dev_shm(script, "64m")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@needs_unshare
 def test_full_dev_shm_is_a_clear_error_at_allocation_never_sigbus():
     script = textwrap.dedent(
         """

@@ -6,6 +6,7 @@ import gc
 import multiprocessing
 import pickle
 import queue
+import select
 import threading
 import time
 from collections import Counter, defaultdict
@@ -247,6 +248,27 @@ def test_simple_queue_api_and_doorbell():
     q.close()
     with pytest.raises(ValueError):
         q.get()
+
+
+def test_simple_queue_doorbell_is_off_until_someone_watches_the_pipe():
+    """Plain put/get skip the pipe; the first fileno() arms it for every process and rings
+    for the items already queued, so wait() never misses them."""
+    ctx = mp.get_context("fork")
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=workers.put_simple, args=(q, 0, 3))
+    p.start()
+    p.join(T)
+    assert p.exitcode == 0 and q._ring.qsize() == 3
+    assert not select.select([q._doorbell[0]], [], [], 0)[0]  # off: no byte was written
+    assert multiprocessing.connection.wait([q._reader], timeout=T) == [q._reader]
+    assert [q.get() for _ in range(3)] == [(0, 0), (0, 1), (0, 2)]
+    assert not select.select([q._doorbell[0]], [], [], 0)[0]  # drained by the gets: on
+    p = ctx.Process(target=workers.put_simple, args=(q, 1, 1))  # armed in the child too
+    p.start()
+    p.join(T)
+    assert select.select([q._doorbell[0]], [], [], T)[0]
+    assert q.get() == (1, 0)
+    q.close()
 
 
 def test_simple_queue_doorbell_never_misses_an_item_from_other_processes():

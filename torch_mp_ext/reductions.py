@@ -52,6 +52,7 @@ from torch.multiprocessing.reductions import (  # re-exported: same behaviour as
 from . import _C
 from .cuda import ipc as _cuda_ipc
 from .sharing import memory as _memory
+from .sharing import records as _records
 
 __all__ = [
     "SharedCache",
@@ -86,9 +87,10 @@ __all__ = [
     "storage_from_cache",
 ]
 
-shared_cache = SharedCache()
+shared_cache = _records.shared_cache
 """Storages rebuilt or sent by this process, by handle: the same block rebuilds as the same
-storage (torch's ``shared_cache``, keyed by our handles)."""
+storage (torch's ``shared_cache``, keyed by our handles; lean records share it: Note [Lean
+tensor records] in ``sharing/records.py``)."""
 
 def _cache_key(handle: tuple, offset: int, nbytes: int) -> tuple:
     # (segment id, block index, generation, offset, nbytes): Note [Identity of rebuilt storages]

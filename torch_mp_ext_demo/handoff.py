@@ -22,13 +22,18 @@ _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "handoff_work
 
 @dataclass(frozen=True)
 class Variant:
-    lib: str  # "tmx", "torch" or "stdlib"
-    variant: str  # "fresh" or "preshared"
+    lib: str  # "tmx", "torch", "stdlib" or "pipe" (the floor)
+    variant: str  # "fresh", "preshared" or "floor"
     strategy: str  # "file_descriptor" or "file_system"
     label: str
 
 
+FLOOR = Variant("pipe", "floor", "-", "Python pipe floor")
+"""64 bytes through os.write/os.read on a pipe, acknowledged like the tensor rows: the
+least a Python hand-off can take here (issue 15's floor column)."""
+
 VARIANTS = [
+    FLOOR,
     Variant("stdlib", "fresh", "-", "stdlib pickle (numpy)"),
     Variant("torch", "fresh", "file_descriptor", "torch fd fresh"),
     Variant("torch", "preshared", "file_descriptor", "torch fd pre-shared"),
@@ -168,8 +173,11 @@ def format_table(results: Results) -> str:
 def _ratios(results: Results) -> list:
     labels = {v.label for v in results.variants}
     pairs = [
-        ("torch fd pre-shared / tmx arena-born", "torch fd pre-shared", "tmx fd arena-born"),
-        ("torch fs pre-shared / tmx arena-born", "torch fs pre-shared", "tmx fd arena-born"),
+        ("tmx fd arena-born / floor", "tmx fd arena-born", FLOOR.label),
+        ("tmx fs arena-born / floor", "tmx fs arena-born", FLOOR.label),
+        ("tmx fs / fd arena-born", "tmx fs arena-born", "tmx fd arena-born"),
+        ("torch fd pre-shared / tmx fd arena-born", "torch fd pre-shared", "tmx fd arena-born"),
+        ("torch fs pre-shared / tmx fs arena-born", "torch fs pre-shared", "tmx fs arena-born"),
         ("torch fd fresh / tmx fresh", "torch fd fresh", "tmx fd fresh"),
         ("torch fs fresh / tmx fresh", "torch fs fresh", "tmx fd fresh"),
         ("stdlib / tmx fresh", "stdlib pickle (numpy)", "tmx fd fresh"),

@@ -65,6 +65,17 @@ def consume(lib, transport, q, acks):
         acks.put(total)
 
 
+def consume_pipe(read_fd, acks):
+    """The floor's consumer: a 64-byte message on a plain pipe, acknowledged like the rest."""
+    while True:
+        data = os.read(read_fd, 4096)
+        received = time.perf_counter()
+        if data == b"stop":
+            break
+        acks.put(received)
+        acks.put(float(len(data)))
+
+
 def make_item(lib, variant, nbytes, value):
     n = nbytes // 4
     if lib == "stdlib":
@@ -95,8 +106,40 @@ def memcpy_floor(nbytes, repeats=5):
     return sorted(best)[len(best) // 2]
 
 
+def main_pipe():
+    """lib "pipe": the floor (Python os.write/os.read on a pipe, the same acknowledgement)."""
+    ctx = multiprocessing.get_context("fork")  # the consumer inherits the pipe
+    read_fd, write_fd = os.pipe()
+    acks = ctx.SimpleQueue()
+    consumer = ctx.Process(target=consume_pipe, args=(read_fd, acks), daemon=True)
+    consumer.start()
+    os.close(read_fd)
+    out = sys.stdout
+    print(json.dumps({"ready": os.getpid()}), file=out, flush=True)
+    message = b"x" * 64
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "stop":
+            break
+        for _ in range(cmd.get("warmups", 0)):
+            os.write(write_fd, message)
+            acks.get()
+            acks.get()
+        start = time.perf_counter()
+        os.write(write_fd, message)
+        received = acks.get()
+        total = acks.get()
+        print(json.dumps({"seconds": received - start, "ok": total == len(message)}), file=out,
+              flush=True)
+    os.write(write_fd, b"stop")
+    consumer.join(60)
+
+
 def main():
     lib, transport = sys.argv[1], sys.argv[2]
+    if lib == "pipe":
+        main_pipe()
+        return
     mp = _import_lib(lib)
     ctx = mp.get_context("spawn")
     if transport == "queue":

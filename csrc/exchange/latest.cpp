@@ -375,7 +375,7 @@ LatestStatus LatestChannel::wait_changed(uint32_t seen, const Deadline& deadline
   // `seen` was read before the predicate (the stamps), and every commit changes a stamp
   // before it notifies: no lost wake-up (Note [Why not pthread_cond_t]). No spin: a reader
   // waits for the learner's next step, milliseconds away.
-  switch (header_->changed.wait(seen, deadline, /*spin_ns=*/0)) {
+  switch (header_->changed.wait(seen, deadline, /*spin=*/nullptr)) {
     case SharedCondition::Woke::Event:
       return LatestStatus::Ok;
     case SharedCondition::Woke::TimedOut:

@@ -8,8 +8,10 @@
 #include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <pthread.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -94,23 +96,35 @@ uint64_t pid_namespace_id() {
 }
 
 namespace {
-pid_t g_pid = 0;
-uint64_t g_key = 0;
+// Cached: a getpid() per call cost a syscall on every doorbell and holder check. A fork
+// refreshes them in the child (pthread_atfork, registered before the first read).
+std::atomic<pid_t> g_pid{0};
+std::atomic<uint64_t> g_key{0};
+
+void ensure_self() {
+  static const bool registered = [] {
+    ::pthread_atfork(nullptr, nullptr, [] { refresh_self_after_fork(); });
+    return true;
+  }();
+  (void)registered;
+  if (g_pid.load(std::memory_order_acquire) == 0) refresh_self_after_fork();
+}
 }  // namespace
 
 void refresh_self_after_fork() {
-  g_pid = ::getpid();
-  g_key = process_key(g_pid, process_start_time(g_pid));
+  pid_t pid = ::getpid();
+  g_key.store(process_key(pid, process_start_time(pid)), std::memory_order_relaxed);
+  g_pid.store(pid, std::memory_order_release);
 }
 
 pid_t self_pid() {
-  if (g_pid == 0 || g_pid != ::getpid()) refresh_self_after_fork();
-  return g_pid;
+  ensure_self();
+  return g_pid.load(std::memory_order_relaxed);
 }
 
 uint64_t self_key() {
-  self_pid();
-  return g_key;
+  ensure_self();
+  return g_key.load(std::memory_order_relaxed);
 }
 
 uint64_t random_u64() {

@@ -24,10 +24,12 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "common/check.h"
 #include "python/bindings.h"
+#include "queue/doorbell.h"
 #include "queue/ring.h"
 #include "shm/registry.h"
 
@@ -163,13 +165,14 @@ class RingHandle {
     Use use(*this);
     BytesView view(data);
     FrameIn frame = view.frame(tag);
-    if (view.size() <= GIL_COPY_LIMIT) {
-      Status s = ring_.put(&frame, 1, Deadline(0), &closed_, true);
-      if (s != Status::Busy && (s != Status::Full || timeout == 0)) return static_cast<int>(s);
+    Status s = Status::Busy;
+    if (view.size() <= GIL_COPY_LIMIT) s = ring_.put(&frame, 1, Deadline(0), &closed_, true);
+    if (s == Status::Busy || (s == Status::Full && timeout != 0)) {
+      s = blocking(timeout, [&](const Deadline& d) {
+        return ring_.put(&frame, 1, d, &closed_, false);
+      });
     }
-    return static_cast<int>(blocking(timeout, [&](const Deadline& d) {
-      return ring_.put(&frame, 1, d, &closed_, false);
-    }));
+    return after_put(s);
   }
 
   int put_many(const py::list& payloads, const py::object& tags, double timeout) {
@@ -189,13 +192,14 @@ class RingHandle {
       frames.push_back(views.back()->frame(tag));
       total += views.back()->size();
     }
-    if (total <= GIL_COPY_LIMIT) {
-      Status s = ring_.put(frames.data(), n, Deadline(0), &closed_, true);
-      if (s != Status::Busy && (s != Status::Full || timeout == 0)) return static_cast<int>(s);
+    Status s = Status::Busy;
+    if (total <= GIL_COPY_LIMIT) s = ring_.put(frames.data(), n, Deadline(0), &closed_, true);
+    if (s == Status::Busy || (s == Status::Full && timeout != 0)) {
+      s = blocking(timeout, [&](const Deadline& d) {
+        return ring_.put(frames.data(), n, d, &closed_, false);
+      });
     }
-    return static_cast<int>(blocking(timeout, [&](const Deadline& d) {
-      return ring_.put(frames.data(), n, d, &closed_, false);
-    }));
+    return after_put(s);
   }
 
   /// The payload (bytes) of a tag-0 frame, (tag, payload) of another, or the status (int).
@@ -209,6 +213,7 @@ class RingHandle {
       });
     }
     if (s != Status::Ok) return py::int_(static_cast<int>(s));
+    after_get();
     const FrameOut& f = scratch->frames[0];
     py::bytes payload(scratch->bytes.data() + f.offset, f.size);
     if (f.tag == 0) return std::move(payload);
@@ -227,6 +232,7 @@ class RingHandle {
       });
     }
     if (s != Status::Ok) return py::make_tuple(static_cast<int>(s), py::list(), py::none());
+    after_get();
     return py::make_tuple(0, to_list(scratch->bytes, scratch->frames), tags_of(scratch->frames));
   }
 
@@ -261,6 +267,7 @@ class RingHandle {
 
   void close() {
     closed_.store(true, std::memory_order_release);
+    bell_.reset();  // the Python object closes the pipe next
     if (!released_) ring_.wake_all();  // our blocked callers return Closed; others re-wait
   }
 
@@ -313,6 +320,16 @@ class RingHandle {
   }
   static constexpr double LOCKED_READ_SLICE_S = 0.2;
 
+  /// SimpleQueue: keep the wake-up pipe with these (non-blocking) ends from now on.
+  void set_doorbell(int read_fd, int write_fd) { bell_.emplace(read_fd, write_fd); }
+
+  /// SimpleQueue's fileno() is about to be waited on (Note [Doorbell]).
+  void watch_doorbell() {
+    Use use(*this);
+    TMX_CHECK_VALUE(bell_.has_value(), "this queue has no wake-up pipe (only SimpleQueue has)");
+    bell_->watch(ring_, [this] { return counts().count; });
+  }
+
   bool closed() const { return closed_.load(std::memory_order_acquire); }
   const py::object& block() const { return block_; }
   bool attached() const { return attached_; }
@@ -322,6 +339,16 @@ class RingHandle {
   }
 
  private:
+  // The pipe's ends are copied first: close() may forget them meanwhile (the GIL is let go
+  // while the count is read).
+  int after_put(Status s) {
+    if (s == Status::Ok && bell_) Doorbell(*bell_).after_put(ring_);
+    return static_cast<int>(s);
+  }
+  void after_get() {
+    if (bell_) Doorbell(*bell_).after_get(ring_, [this] { return counts().count; });
+  }
+
   static py::list to_list(const FrameBuffer& bytes, const std::vector<FrameOut>& frames) {
     // Every bytes object first: the list's allocation may run the GC.
     std::vector<py::bytes> items;
@@ -343,6 +370,7 @@ class RingHandle {
 
   py::object block_;
   Ring ring_;
+  std::optional<Doorbell> bell_;  ///< SimpleQueue only (Note [Doorbell])
   std::atomic<bool> closed_{false};
   bool attached_ = true;
   bool released_ = false;
@@ -411,9 +439,10 @@ void init_queue(py::module_& m) {
             return py::make_tuple(c.count, c.used_bytes, c.unfinished);
           },
           "(items, bytes of frames, unfinished tasks), read together under the lock.")
-      .def("doorbell_should_ring", [](RingHandle& r) { return r.ring().doorbell_should_ring(); })
-      .def("doorbell_claim", [](RingHandle& r) { r.ring().doorbell_claim(); })
-      .def("doorbell_release", [](RingHandle& r) { r.ring().doorbell_release(); })
+      .def("set_doorbell", &RingHandle::set_doorbell, py::arg("read_fd"), py::arg("write_fd"),
+           "SimpleQueue: every put and get keeps this wake-up pipe (Note [Doorbell]).")
+      .def("watch_doorbell", &RingHandle::watch_doorbell,
+           "Arms the doorbell and rings it if items are queued with no live ringer.")
       .def_property_readonly("doorbell_owner",
                              [](RingHandle& r) { return r.ring().doorbell_owner(); })
       .def_property_readonly("capacity", [](RingHandle& r) { return r.ring().capacity(); },

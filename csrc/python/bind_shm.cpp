@@ -6,6 +6,7 @@
 #include "python/bindings.h"
 #include "shm/arena.h"
 #include "shm/reaper.h"
+#include "shm/record.h"
 #include "shm/registry.h"
 
 namespace py = pybind11;
@@ -53,9 +54,91 @@ Handle from_tuple(const py::tuple& t) {
   }
 }
 
+py::tuple record_key(const Record& r) {
+  // Note [Identity of rebuilt storages] in reductions.py: the same key as a handle's.
+  return py::make_tuple("tmx", r.handle.segment_id, r.handle.index, r.handle.generation,
+                        r.offset, r.nbytes);
+}
+
+Record record_of(const py::bytes& data) {
+  return decode_record(PyBytes_AS_STRING(data.ptr()),
+                       static_cast<size_t>(PyBytes_GET_SIZE(data.ptr())));
+}
+
+py::tuple to_py_tuple(const std::vector<int64_t>& v) {
+  py::tuple out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = py::int_(v[i]);
+  return out;
+}
+
 }  // namespace
 
+void init_records(py::module_& m) {
+  // Note [Lean tensor records] in shm/record.h.
+  m.def(
+      "share_record",
+      [](uintptr_t address, size_t nbytes, int64_t storage_offset, std::vector<int64_t> sizes,
+         std::vector<int64_t> strides, uint32_t dtype, uint8_t kind,
+         uint8_t flags) -> py::object {
+        Record r;
+        size_t offset = 0;
+        if (!Registry::instance().share_address(address, nbytes, &r.handle, &offset)) {
+          return py::none();
+        }
+        r.kind = kind;
+        r.flags = flags;
+        r.dtype = dtype;
+        r.offset = offset;
+        r.nbytes = nbytes;
+        r.storage_offset = storage_offset;
+        r.sizes = std::move(sizes);
+        r.strides = std::move(strides);
+        std::string bytes;
+        try {
+          bytes = encode_record(r);
+        } catch (...) {
+          Registry::instance().release_handle(r.handle, 60.0);
+          throw;
+        }
+        return py::make_tuple(py::bytes(bytes), record_key(r));
+      },
+      py::arg("address"), py::arg("nbytes"), py::arg("storage_offset"), py::arg("sizes"),
+      py::arg("strides"), py::arg("dtype"), py::arg("kind"), py::arg("flags"),
+      R"pbdoc((record bytes, cache key) carrying one new reference for a storage of
+`nbytes` at `address` inside a live block of this process, else None.)pbdoc");
+  m.def(
+      "read_record",
+      [](const py::bytes& data) {
+        Record r = record_of(data);
+        return py::make_tuple(record_key(r), r.kind, r.dtype, r.flags, r.offset, r.nbytes,
+                              r.storage_offset, to_py_tuple(r.sizes), to_py_tuple(r.strides),
+                              r.handle.owner_pid);
+      },
+      py::arg("data"),
+      R"pbdoc((key, kind, dtype, flags, offset, nbytes, storage_offset, sizes, strides,
+owner_pid) of a record; CorruptSegmentError if it is malformed.)pbdoc");
+  m.def(
+      "attach_record",
+      [](const py::bytes& data, double timeout) {
+        Record r = record_of(data);
+        py::gil_scoped_release nogil;
+        return Registry::instance().attach(r.handle, timeout);
+      },
+      py::arg("data"), py::arg("timeout") = 60.0,
+      R"pbdoc(The Block of a record, taking over the reference it carried.)pbdoc");
+  m.def(
+      "release_record",
+      [](const py::bytes& data, double timeout) {
+        Record r = record_of(data);
+        py::gil_scoped_release nogil;
+        Registry::instance().release_handle(r.handle, timeout);
+      },
+      py::arg("data"), py::arg("timeout") = 60.0,
+      R"pbdoc(Drops the reference a record carries.)pbdoc");
+}
+
 void init_shm(py::module_& m) {
+  init_records(m);
   py::class_<BlockRef>(m, "Block", py::buffer_protocol(), R"pbdoc(
     One counted reference to a shared-memory block. The buffer protocol exposes its bytes
     (writable, zero-copy); the reference is dropped when the object dies.

@@ -30,13 +30,6 @@ constexpr long LOCK_GRACE_MS = 1000;
 
 std::atomic<int> g_crash_point{0};
 
-inline void maybe_crash(CrashPoint point) {
-  if (point != CrashPoint::None &&
-      g_crash_point.load(std::memory_order_relaxed) == static_cast<int>(point)) {
-    ::raise(SIGKILL);
-  }
-}
-
 
 inline bool is_closed(const std::atomic<bool>* closed) {
   return closed != nullptr && closed->load(std::memory_order_acquire);
@@ -56,6 +49,13 @@ static_assert(sizeof(FrameHeader) == FRAME_HEADER, "frame header is part of the 
 
 void set_crash_point(CrashPoint point) {
   g_crash_point.store(static_cast<int>(point), std::memory_order_relaxed);
+}
+
+void maybe_crash(CrashPoint point) {
+  if (point != CrashPoint::None &&
+      g_crash_point.load(std::memory_order_relaxed) == static_cast<int>(point)) {
+    ::raise(SIGKILL);
+  }
 }
 
 char* FrameBuffer::append(size_t n) {
@@ -96,7 +96,8 @@ Ring::Ring(RingHeader* header)
       data_(reinterpret_cast<char*>(header) + header_bytes()),
       capacity_(header->capacity),
       max_capacity_(header->max_capacity),
-      spin_ns_(header->spin_ns) {}
+      spin_ns_(header->spin_ns),
+      spin_(spin_ns_) {}
 
 Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
   uint64_t capacity = (options.capacity + 7) & ~uint64_t{7};
@@ -129,7 +130,7 @@ Ring Ring::create(void* memory, size_t size, const RingOptions& options) {
   h->recoveries.store(0, std::memory_order_relaxed);
   h->broken.store(0, std::memory_order_relaxed);
   h->journal_valid.store(0, std::memory_order_relaxed);
-  h->doorbell.store(0, std::memory_order_relaxed);
+  h->doorbell.store(DOORBELL_OFF, std::memory_order_relaxed);
   h->in_dev_shm = options.in_dev_shm ? 1 : 0;
   h->not_empty.init();
   h->not_full.init();
@@ -271,8 +272,8 @@ Status Ring::wait_on(Held& held, SharedCondition& cond, const Deadline& deadline
   uint32_t seen = cond.snapshot();
   held.release();
   bool sliced = deadline.infinite() || deadline.remaining_ms() > WAIT_SLICE_MS;
-  auto woke = sliced ? cond.wait(seen, Deadline(WAIT_SLICE_S), spin_ns_)
-                     : cond.wait(seen, deadline, spin_ns_);
+  auto woke = sliced ? cond.wait(seen, Deadline(WAIT_SLICE_S), &spin_)
+                     : cond.wait(seen, deadline, &spin_);
   if (woke == SharedCondition::Woke::Interrupted) return Status::Interrupted;
   if (woke == SharedCondition::Woke::TimedOut && sliced) return Status::Interrupted;
   // An event, or the deadline: re-check the predicate once more under the mutex.
@@ -476,16 +477,30 @@ void Ring::release_growth(uint64_t from, uint64_t to) {
 }
 
 bool Ring::doorbell_should_ring() {
-  uint64_t me = self_key();
   uint64_t seen = h_->doorbell.load(std::memory_order_seq_cst);
+  if (seen == DOORBELL_OFF) return false;  // nobody watches the pipe
+  uint64_t me = self_key();
   for (;;) {
-    if (seen == me) return false;                   // we owe the byte already
+    if (seen == me || seen == DOORBELL_OFF) return false;  // we owe it already / nobody watches
     if (seen != 0 && !ringer_gone(seen)) return false;  // a live process owes it
     if (h_->doorbell.compare_exchange_weak(seen, me, std::memory_order_seq_cst)) return true;
   }
 }
 
-void Ring::doorbell_claim() { h_->doorbell.store(self_key(), std::memory_order_seq_cst); }
+bool Ring::doorbell_claim() {
+  uint64_t seen = h_->doorbell.load(std::memory_order_seq_cst);
+  if (seen == DOORBELL_OFF) return false;
+  uint64_t me = self_key();
+  while (seen != DOORBELL_OFF) {
+    if (h_->doorbell.compare_exchange_weak(seen, me, std::memory_order_seq_cst)) return true;
+  }
+  return false;
+}
+
+void Ring::doorbell_arm() {
+  uint64_t off = DOORBELL_OFF;
+  h_->doorbell.compare_exchange_strong(off, 0, std::memory_order_seq_cst);
+}
 
 void Ring::doorbell_release() {
   uint64_t me = self_key();

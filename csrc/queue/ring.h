@@ -112,6 +112,13 @@
 // word and writing its byte (or between draining and re-ringing) leaves the word naming a
 // dead process, and the next put, get or wait() repairs it: nothing waits for an item that
 // is there. Liveness is kill(pid, 0): a zombie counts as alive until its parent reaps it.
+// The pipe costs a write, two reads and an exception per item, several times the ring's own
+// cost, and only a process that waits on fileno() (ProcessPoolExecutor, connection.wait)
+// needs it. So the word starts at DOORBELL_OFF, where puts and gets skip the protocol, and
+// fileno() or a waiting poll() arms it (OFF -> 0, once, for every process) and then rings
+// like a put if items are queued. A put that saw OFF committed under the mutex before it
+// read the word; the armer's CAS precedes its own locked re-check, so either the re-check
+// sees that item or the put saw the word armed: no item is left without a byte.
 #pragma once
 
 #include <atomic>
@@ -130,8 +137,11 @@ namespace torch_mp_ext {
 
 constexpr uint64_t RING_MAGIC = 0x31474e4952584d54ULL;  // "TMXRING1" little-endian
 /// 2: holder keys carry the flags of Note [Holder tables]; 3: the doorbell word names its
-/// ringer (Note [Doorbell]); 4: the ring grows in place (Note [Ring growth]).
-constexpr uint32_t RING_VERSION = 4;
+/// ringer (Note [Doorbell]); 4: the ring grows in place (Note [Ring growth]); 5: the doorbell
+/// starts off and is armed by the first watcher (Note [Doorbell]).
+constexpr uint32_t RING_VERSION = 5;
+/// `doorbell` before anyone watched the pipe: puts and gets skip the protocol (no key is 1).
+constexpr uint64_t DOORBELL_OFF = 1;
 constexpr uint32_t RING_JOINABLE = 1u << 0;
 /// Frame header bytes: uint32 payload size + uint32 tag.
 constexpr uint64_t FRAME_HEADER = 8;
@@ -210,6 +220,8 @@ enum class CrashPoint : int {
   PutAfterCommit = 3,      ///< committed, state not yet updated
   GetBeforeCommit = 4,     ///< frames copied out, not committed
   GetAfterCommit = 5,      ///< committed, state not yet updated
+  BellNoByte = 6,          ///< Note [Doorbell]: a put (or repair) took the word, no byte yet
+  BellDrained = 7,         ///< Note [Doorbell]: a get claimed the word and drained the pipe
 };
 void set_crash_point(CrashPoint point);
 
@@ -263,8 +275,11 @@ class Ring {
   /// Note [Doorbell]: true if the caller must write a byte to the wake-up pipe (the flag was
   /// clear or named a dead process; it names the caller now).
   bool doorbell_should_ring();
-  /// A getter about to drain the pipe takes the duty to ring over, whoever had it.
-  void doorbell_claim();
+  /// A getter about to drain the pipe takes the duty to ring over, whoever had it; false
+  /// (and nothing to do) while nobody watches the pipe.
+  bool doorbell_claim();
+  /// Someone is about to watch the pipe: turns the protocol on for every process (once).
+  void doorbell_arm();
   /// The getter found the ring empty after draining: clears the flag if it still names us.
   void doorbell_release();
   /// The pid owing a byte, 0 if none (tests).
@@ -328,6 +343,7 @@ class Ring {
   uint64_t capacity_;  ///< validated copy of h_->capacity (Note [Geometry snapshot])
   uint64_t max_capacity_;  ///< validated copy of h_->max_capacity (Note [Ring growth])
   int64_t spin_ns_;    ///< validated copy of h_->spin_ns
+  SpinPolicy spin_;    ///< this process's spinning on this ring (Note [Adaptive spinning])
 };
 
 }  // namespace torch_mp_ext

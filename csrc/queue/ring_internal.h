@@ -9,6 +9,9 @@
 
 namespace torch_mp_ext {
 
+/// SIGKILLs this process if the test hook set_crash_point() chose `point`.
+void maybe_crash(CrashPoint point);
+
 struct RingHolder {
   HolderSlot key;  ///< the process holding the ring (Note [Holder tables]); free: no holder
   uint32_t refs;   ///< queue objects of that process holding it (each holds one block reference)

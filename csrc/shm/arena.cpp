@@ -11,6 +11,7 @@
 #include "common/arith.h"
 #include "common/check.h"
 #include "ipc/fd_server.h"
+#include "shm/unmapper.h"
 
 namespace torch_mp_ext {
 
@@ -111,7 +112,14 @@ std::unique_ptr<BlockRef> Arena::allocate(size_t nbytes, bool named) {
     spec.nblocks = 1;
     spec.named = true;
     spec.flags = FLAG_UNLINK_ON_ZERO;
-    auto mapping = create_segment(spec);
+    std::shared_ptr<Mapping> mapping;
+    try {
+      mapping = create_segment(spec);
+    } catch (const SyscallError& e) {  // Note [Unmapping off the caller's path]: wait, retry
+      if (e.err() != ENOSPC && e.err() != ENOMEM) throw;
+      finish_pending_unmaps();  // an unmap may also have ended meanwhile: retry anyway
+      mapping = create_segment(spec);
+    }
     uint32_t index = mapping->pop_free();
     init_allocated(*mapping, index);
     auto& registry = Registry::instance();
@@ -275,7 +283,12 @@ std::shared_ptr<Mapping> Arena::create_or_trim_locked(const SegmentSpec& spec) {
     if (e.err() != ENOSPC && e.err() != ENOMEM && e.err() != EMFILE && e.err() != ENFILE) {
       throw;
     }
-    if (trim_locked(0) + retire_free_sparse_locked() == 0) throw;
+    // Pages of segments let go of just now may still be on their way out (Note [Unmapping
+    // off the caller's path]); one that ended during the failed attempt counts too, so
+    // retry after waiting whatever was found.
+    finish_pending_unmaps();
+    trim_locked(0);
+    retire_free_sparse_locked();
     return create_segment(spec);
   }
 }

@@ -17,6 +17,7 @@
 #include "common/arith.h"
 #include "common/check.h"
 #include "platform/process.h"
+#include "shm/unmapper.h"
 
 namespace torch_mp_ext {
 
@@ -307,7 +308,7 @@ std::string Mapping::describe() const {
 }
 
 Mapping::~Mapping() {
-  if (base_ != nullptr) ::munmap(base_, size_);
+  if (base_ != nullptr) unmap_later(base_, size_);  // Note [Unmapping off the caller's path]
 }
 
 std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {

@@ -37,19 +37,25 @@ void SharedCondition::init() {
 }
 
 SharedCondition::Woke SharedCondition::wait(uint32_t seen, const Deadline& deadline,
-                                            int64_t spin_ns) {
+                                            SpinPolicy* spin) {
+  int64_t spin_ns = spin != nullptr ? spin->next() : 0;
   if (spin_ns > 0) {
     // Spin without sched_yield(): on an idle core this catches the next event without a
     // futex round trip. Yielding looked kind but was not: a woken peer queued behind a
     // yielding spinner on the same CPU waited for the scheduler tick (4 ms at HZ=250), which
     // made a tensor hand-off take 4 ms instead of 50 us until the balancer moved it. The spin
-    // is bounded (spin_ns), so a peer sharing the core loses at most that.
+    // is bounded (spin_ns), and a spin that keeps missing is switched off (Note [Adaptive
+    // spinning]), so a peer sharing the core loses little.
     int64_t until = monotonic_ns() + spin_ns;
     for (int i = 1;; ++i) {
-      if (seq_.load(std::memory_order_acquire) != seen) return Woke::Event;
+      if (seq_.load(std::memory_order_acquire) != seen) {
+        spin->record(true);
+        return Woke::Event;
+      }
       cpu_relax();
       if ((i & 31) == 0 && monotonic_ns() >= until) break;
     }
+    spin->record(false);
   }
   if (deadline.expired()) return Woke::TimedOut;
   waiters_.fetch_add(1, std::memory_order_seq_cst);

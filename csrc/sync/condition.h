@@ -30,6 +30,7 @@
 #include <cstdint>
 
 #include "common/deadline.h"
+#include "sync/spin.h"
 
 namespace torch_mp_ext {
 
@@ -47,9 +48,10 @@ class SharedCondition {
   /// The event counter to wait on; read it while holding the predicate's mutex.
   uint32_t snapshot() const { return seq_.load(std::memory_order_seq_cst); }
 
-  /// Waits, without the mutex, until `seq` differs from `seen` or `deadline` passes. Spins for
-  /// up to `spin_ns` first (0: sleep at once).
-  Woke wait(uint32_t seen, const Deadline& deadline, int64_t spin_ns);
+  /// Waits, without the mutex, until `seq` differs from `seen` or `deadline` passes. Spins
+  /// first for as long as `spin` allows, and tells it how that went (Note [Adaptive
+  /// spinning]); nullptr: sleep at once.
+  Woke wait(uint32_t seen, const Deadline& deadline, SpinPolicy* spin);
 
   /// Wakes one sleeper / every sleeper. Safe with or without the mutex held.
   void notify_one() { notify(1); }

@@ -10,17 +10,19 @@ becomes readable when an item arrives from any process. This mixin provides exac
 over the ring, so the standard Pool runs unchanged on torch_mp_ext's queues (no CPython
 method is overridden).
 
-The ``fileno()`` is a doorbell: a non-blocking pipe shared by every process holding the
-queue (inherited on fork, passed as ``DupFd`` when pickled) and a word in shared memory
-naming the process that owes the pipe a byte (Note [Doorbell] in ``csrc/queue/ring.h``). A
-put rings (writes one byte) only when it takes the word (clear, or naming a dead process);
-a get claims the word, empties the pipe, then writes a byte if items remain, or else clears
-the word and re-checks like a put. Any interleaving of these steps leaves the pipe readable
-whenever an item is queued, and the pipe never holds more than a few bytes. A process
-SIGKILLed between two of those steps leaves the word naming a dead process (or clear) and
-perhaps no byte: the next put, get, or ``fileno()`` call (``multiprocessing.connection.wait``
-asks for it each time it starts waiting) rings again. Gets by processes that never look at
-``_reader`` keep it honest too, so a waiter never spins on a stale byte for long.
+The ``fileno()`` is a doorbell (kept by the core in every put and get), off until the first
+``fileno()`` (or waiting ``poll()``) in any process arms it: a non-blocking pipe shared by
+every process holding the queue (inherited on fork, passed as ``DupFd`` when pickled) and a
+word in shared memory naming the process that owes the pipe a byte (Note [Doorbell] in
+``csrc/queue/ring.h``). A put rings (writes one byte) only when it takes the word (clear, or
+naming a dead process); a get claims the word, empties the pipe, then writes a byte if items
+remain, or else clears the word and re-checks like a put. Any interleaving of these steps
+leaves the pipe readable whenever an item is queued, and the pipe never holds more than a
+few bytes. A process SIGKILLed between two of those steps leaves the word naming a dead
+process (or clear) and perhaps no byte: the next put, get, or ``fileno()`` call
+(``multiprocessing.connection.wait`` asks for it each time it starts waiting) rings again.
+Gets by processes that never look at ``_reader`` keep it honest too, so a waiter never spins
+on a stale byte for long.
 """
 
 from __future__ import annotations
@@ -28,23 +30,16 @@ from __future__ import annotations
 import multiprocessing.util
 import os
 import select
-import signal
 import threading
 from multiprocessing import reduction
 from typing import Any, Optional
 
 __all__ = ["SimpleQueueCompat"]
 
-#: Test hook (tests/test_crash_consistency.py): SIGKILL this process at one step of the
-#: doorbell protocol, as ``_C.set_crash_point`` does inside the ring.
-CRASH_RING_NO_BYTE = 1  # a put took the doorbell word, before its byte
-CRASH_GET_DRAINED = 2  # a get claimed the word and emptied the pipe, before re-ringing
-crash_point = 0
-
-
-def _maybe_crash(point: int) -> None:
-    if crash_point == point:
-        os.kill(os.getpid(), signal.SIGKILL)
+#: Steps of the doorbell protocol where the test hook ``_C.Ring.set_crash_point`` SIGKILLs
+#: this process (tests/test_crash_consistency.py), like the ring's own crash points.
+CRASH_RING_NO_BYTE = 6  # a put took the doorbell word, before its byte
+CRASH_GET_DRAINED = 7  # a get claimed the word and emptied the pipe, before re-ringing
 
 
 def _close_fds(*fds: int) -> None:
@@ -103,15 +98,17 @@ class _Reader(_End):
             return True
         if timeout is not None and timeout <= 0:
             return False
+        q._ring.watch_doorbell()  # arms it (Note [Doorbell]) and rings for an item just put
+        if q._ring.qsize() > 0:
+            return True
         select.select([q._doorbell[0]], [], [], timeout)
         return q._ring.qsize() > 0
 
     def fileno(self) -> int:
         self._check()
         q = self._q
-        try:
-            if q._ring.qsize() > 0:  # Note [Doorbell]: repair what a killed process left
-                q._ring_if_owed()
+        try:  # Note [Doorbell]: arm it, and repair what a killed process left
+            q._ring.watch_doorbell()
         except ValueError:  # this queue object was closed: nothing to repair through it
             pass
         return q._doorbell[0]
@@ -135,6 +132,7 @@ class SimpleQueueCompat:
         os.set_blocking(read_fd, False)
         os.set_blocking(write_fd, False)
         self._doorbell = (read_fd, write_fd)
+        self._ring.set_doorbell(read_fd, write_fd)  # every put and get keep it from now on
         self._doorbell_finalizer = multiprocessing.util.Finalize(
             self, _close_fds, args=(read_fd, write_fd))
 
@@ -145,47 +143,6 @@ class SimpleQueueCompat:
         """What pickling the queue sends of its doorbell (``_set_doorbell`` on arrival)."""
         r, w = self._doorbell
         return reduction.DupFd(r), reduction.DupFd(w)
-
-    def _ring_bell(self) -> None:
-        try:
-            os.write(self._doorbell[1], b"\0")
-        except BlockingIOError:  # the pipe is full of rings: readable already
-            pass
-
-    def _ring_if_owed(self) -> None:
-        if self._ring.doorbell_should_ring():
-            _maybe_crash(CRASH_RING_NO_BYTE)
-            self._ring_bell()
-
-    def _after_put(self) -> None:
-        self._ring_if_owed()
-
-    def _after_get(self) -> None:
-        # Note [Doorbell]: claim, drain, then ring if items remain, else clear and re-check.
-        ring = self._ring
-        ring.doorbell_claim()
-        try:
-            while os.read(self._doorbell[0], 4096):
-                pass
-        except BlockingIOError:
-            pass
-        _maybe_crash(CRASH_GET_DRAINED)
-        if ring.qsize() > 0:
-            self._ring_bell()  # the word names us: a put meanwhile left the byte to us
-            return
-        ring.doorbell_release()
-        if ring.qsize() > 0:
-            self._ring_if_owed()
-
-    def put_many(self, items: Any, block: bool = True, timeout: Optional[float] = None) -> None:
-        super().put_many(items, block, timeout)  # type: ignore[misc]
-        self._after_put()
-
-    def get_many(self, max_items: int, block: bool = True,
-                 timeout: Optional[float] = None) -> Any:
-        items = super().get_many(max_items, block, timeout)  # type: ignore[misc]
-        self._after_get()
-        return items
 
     def close(self) -> None:
         super().close()  # type: ignore[misc]

@@ -58,18 +58,22 @@ import warnings
 import weakref
 from typing import Any, Iterable, List, NoReturn, Optional
 
+import torch
+
 from .. import _C
 from ..errors import PeerDiedError, QueueClosedError
 from ..sharing.pickling import (
     OOL_BYTES,
     TAG_BLOCK,
     TAG_BYTES,
+    TAG_RECORD,
     decode,
     dump_item,
     loads,
     release_frame,
     to_block,
 )
+from ..sharing.records import share_tensor
 from ..sharing.strategy import get_all_sharing_strategies
 from ..timeouts import ring_seconds
 from .compat import SimpleQueueCompat
@@ -90,6 +94,7 @@ MAX_GROW_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_MAX_BYTES", 64 << 30))
 SPIN_NS = int(os.environ.get("TORCH_MP_EXT_QUEUE_SPIN_NS", 50_000))
 
 #: Note [Rings are anonymous]: only where there is no file_descriptor strategy is a ring named.
+_Tensor = torch.Tensor
 _RING_NAMED = "file_descriptor" not in get_all_sharing_strategies()
 
 _OK, _EMPTY, _FULL, _TIMEOUT, _CLOSED = (int(s) for s in (
@@ -286,6 +291,8 @@ class _RingQueue:
             tag, data = TAG_BYTES, obj
             if len(obj) > self._ool:
                 tag, data = TAG_BLOCK, to_block(TAG_BYTES, (obj,))
+        elif type(obj) is _Tensor and (record := share_tensor(obj)) is not None:
+            tag, data = TAG_RECORD, record  # Note [Lean tensor records]
         else:
             tag = 0
             try:
@@ -347,9 +354,12 @@ class _RingQueue:
         obj: Any = None
         try:
             for obj in items:  # bytes items are pickled too here: one tag for the batch
-                data = dump_item(obj, limit)
                 tag = 0
-                if type(data) is not bytes or len(data) > limit:
+                if type(obj) is _Tensor and (record := share_tensor(obj)) is not None:
+                    tag, data = TAG_RECORD, record  # Note [Lean tensor records]
+                else:
+                    data = dump_item(obj, limit)
+                if not tag and (type(data) is not bytes or len(data) > limit):
                     tag, data = TAG_BLOCK, to_block(0, data if type(data) is list else (data,))
                 if tag and tags is None:
                     tags = [0] * len(payloads)
@@ -530,13 +540,8 @@ class SimpleQueue(SimpleQueueCompat, _RingQueue):
         self._check_closed()
         return (_rebuild_simple, (type(self), self._ring.share(), *self._doorbell_fds()))
 
-    def get(self) -> Any:  # type: ignore[override]
-        """Removes and returns the oldest item, waiting as long as it takes."""
-        item = super().get()
-        self._after_get()
-        return item
-
-    def put(self, obj: Any) -> None:  # type: ignore[override]
-        """Puts ``obj``, waiting for room as long as it takes."""
-        super().put(obj)
-        self._after_put()
+    # The stdlib's get() and put(obj) are the defaults of these (block for ever); the core
+    # keeps the doorbell in both (Note [Doorbell]). Not wrappers: a Python frame per call
+    # was a seventh of a small item's round trip.
+    get = _RingQueue.get
+    put = _RingQueue.put

@@ -65,6 +65,7 @@ from typing import Any, Callable, List, Optional
 
 from .. import _C
 from ..errors import PeerDiedError
+from . import records as _records
 from .strategy import get_sharing_strategy
 
 __all__ = ["TAG_PICKLE", "TAG_BYTES", "TAG_BLOCK", "OOL_BYTES", "dumps", "dump_item", "loads",
@@ -75,6 +76,7 @@ log = logging.getLogger(__name__)
 TAG_PICKLE = 0
 TAG_BYTES = 1
 TAG_BLOCK = 2  # Note [Large items out of line]
+TAG_RECORD = 3  # Note [Lean tensor records]
 #: Frames larger than this go out of line (Note [Large items out of line]).
 OOL_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_OOL_BYTES", 256 * 1024))
 PROTOCOL = 5
@@ -241,6 +243,8 @@ def decode(tag: int, data: bytes) -> Any:
         return loads(data)
     if tag == TAG_BYTES:
         return data
+    if tag == TAG_RECORD:
+        return _records.rebuild(data)
     if tag == TAG_BLOCK:
         return _from_block(data, _decode_view)
     raise ValueError(f"unknown queue frame tag {tag}: was it written by another version?")
@@ -305,10 +309,12 @@ def _release_view(tag: int, view: memoryview) -> None:
 
 def release_frame(tag: int, data: bytes) -> None:
     """Drops the references a frame nobody will take holds; never raises."""
-    if tag not in (TAG_PICKLE, TAG_BLOCK):
+    if tag not in (TAG_PICKLE, TAG_BLOCK, TAG_RECORD):
         return
     try:
-        if tag == TAG_BLOCK:
+        if tag == TAG_RECORD:
+            _records.release(data)
+        elif tag == TAG_BLOCK:
             _from_block(data, _release_view)
         else:
             _Releaser(io.BytesIO(data)).load()
