@@ -85,7 +85,8 @@ def command_line() -> str:
 
 def write(path: str, benchmark: str, rows: list[dict[str, Any]], *,
           params: dict[str, Any] | None = None, rows_doc: str = "",
-          machine_info: dict[str, Any] | None = None) -> None:
+          machine_info: dict[str, Any] | None = None,
+          extra: dict[str, Any] | None = None) -> None:
     """Writes one run's results to ``path`` (atomically: a partial file never appears)."""
     doc = {
         "format": FORMAT,
@@ -97,6 +98,7 @@ def write(path: str, benchmark: str, rows: list[dict[str, Any]], *,
         "params": params or {},
         "rows_doc": rows_doc,
         "rows": rows,
+        **(extra or {}),  # further tables of the same run (bench_queue's latency_rows)
     }
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -106,6 +107,101 @@ def run_once(lib: str, item: Any, n: int, batched: bool) -> float:
     return n / elapsed
 
 
+# ---- ping-pong latency (issue 15): one small message each way, the peer echoing it --------
+
+PING_KINDS = ["Python pipe", "torch_mp_ext Queue", "torch_mp_ext SimpleQueue",
+              "multiprocessing Queue", "multiprocessing SimpleQueue",
+              "torch.multiprocessing Queue", "torch.multiprocessing SimpleQueue"]
+
+
+def _ping_pair(kind: str) -> Tuple[Any, Any]:
+    if kind == "Python pipe":
+        return os.pipe(), os.pipe()
+    lib, cls = kind.rsplit(" ", 1)
+    mod = {"torch_mp_ext": torch_mp_ext, "multiprocessing": multiprocessing,
+           "torch.multiprocessing": torch.multiprocessing}[lib]
+    ctx = mod.get_context("fork")
+    return getattr(ctx, cls)(), getattr(ctx, cls)()
+
+
+def _echo(kind: str, a: Any, b: Any, trips: int, cpu: Optional[int]) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    if kind == "Python pipe":
+        for _ in range(trips):
+            os.write(b[1], os.read(a[0], 64))
+        return
+    for _ in range(trips):
+        b.put(a.get())
+    if hasattr(b, "join_thread"):  # a feeder thread must flush the last reply before exit
+        b.close()
+        b.join_thread()
+
+
+def ping_pong(kind: str, trips: int, pinned: bool) -> float:
+    """Median one-way latency (half a round trip) of a small message, in seconds."""
+    a, b = _ping_pair(kind)
+    cpus = sorted(os.sched_getaffinity(0))
+    ctx = multiprocessing.get_context("fork")
+    peer = ctx.Process(target=_echo, args=(kind, a, b, trips, cpus[1] if pinned else None),
+                       daemon=True)
+    peer.start()
+    mask = os.sched_getaffinity(0)
+    if pinned:
+        os.sched_setaffinity(0, {cpus[0]})
+    times = []
+    try:
+        if kind == "Python pipe":
+            for _ in range(trips):
+                t0 = time.perf_counter()
+                os.write(a[1], b"ping")
+                os.read(b[0], 64)
+                times.append(time.perf_counter() - t0)
+        else:
+            for i in range(trips):
+                t0 = time.perf_counter()
+                a.put(i)
+                b.get(True, TIMEOUT) if "SimpleQueue" not in kind else b.get()
+                times.append(time.perf_counter() - t0)
+    finally:
+        os.sched_setaffinity(0, mask)
+        peer.join(TIMEOUT)
+    if kind == "Python pipe":
+        for fd in (*a, *b):
+            os.close(fd)
+    return statistics.median(times[trips // 10:]) / 2
+
+
+def run_ping_pong(trips: int, rounds: int) -> List[Dict[str, Any]]:
+    regimes = [False] + ([True] if len(os.sched_getaffinity(0)) >= 2 else [])
+    samples: Dict[Tuple[bool, str], List[float]] = {}
+    for _ in range(rounds):
+        for pinned in regimes:
+            for kind in PING_KINDS:
+                samples.setdefault((pinned, kind), []).append(ping_pong(kind, trips, pinned))
+    rows = []
+    for pinned in regimes:
+        floor = statistics.median(samples[(pinned, "Python pipe")])
+        for kind in PING_KINDS:
+            med = statistics.median(samples[(pinned, kind)])
+            rows.append({"series": kind, "pinned": pinned, "median_one_way_s": med,
+                         "vs_pipe": med / floor, "samples_s": samples[(pinned, kind)]})
+    return rows
+
+
+def print_ping_pong(rows: List[Dict[str, Any]], trips: int, rounds: int) -> None:
+    print("| one-way latency, ping-pong, small message | regime | median | vs Python pipe |")
+    print("|---|---|---|---|")
+    for row in rows:
+        regime = "pinned, one CPU each" if row["pinned"] else "unpinned"
+        print(f"| {row['series']} | {regime} | {row['median_one_way_s'] * 1e6:.1f} us | "
+              f"{row['vs_pipe']:.2f}x |")
+    print()
+    print(f"Half the round trip of a small message echoed by a forked peer, median of "
+          f"{trips} trips (first tenth dropped), median of {rounds} interleaved rounds.")
+    print()
+
+
 def fmt_rate(rate: Optional[float]) -> str:
     if rate is None:
         return "n/a"
@@ -122,8 +218,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--small-items", type=int, default=100_000)
     parser.add_argument("--big-items", type=int, default=600)
     parser.add_argument("--huge-items", type=int, default=10, help="64 MB items per run")
+    parser.add_argument("--trips", type=int, default=2000, help="ping-pong round trips")
     bench_json.add_argument(parser)
     args = parser.parse_args(argv)
+    ping_rows = run_ping_pong(args.trips, args.rounds)
+    print_ping_pong(ping_rows, args.trips, args.rounds)
 
     libs = ["torch_mp_ext", "multiprocessing", "torch.multiprocessing"]
     notes = []
@@ -184,7 +283,8 @@ def main(argv: Optional[List[str]] = None) -> int:
              "median_items_per_s": statistics.median(results[(r, lib)]),
              "samples_items_per_s": results[(r, lib)]}
             for r, (name, mode, _item, n, batched) in enumerate(rows) for lib in libs
-        ], params=vars(args), rows_doc="items/s, 1 producer -> 1 consumer, per queue and workload")
+        ], params=vars(args), rows_doc="items/s, 1 producer -> 1 consumer, per queue and "
+                                          "workload", extra={"latency_rows": ping_rows})
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, "
           f"torch_mp_ext {torch_mp_ext.__version__}"
           + (f", faster-fifo {importlib.metadata.version('faster-fifo')}" if faster_fifo else ""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 import pickle
 import queue
 import select
@@ -432,3 +433,53 @@ def test_maxsize_bounds_the_count_exactly_while_the_ring_grows():
     with pytest.raises(queue.Full):
         q.put(item, timeout=0.1)
     assert all(q.get(timeout=T) == item for _ in range(30)) and q.empty()
+
+
+def _echo_pinned(a, b, cpu, trips):
+    os.sched_setaffinity(0, {cpu})
+    for _ in range(trips):
+        b.put(a.get(timeout=T))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin apart")
+def test_spinning_switches_off_when_the_peer_shares_our_cpu():
+    """Note [Adaptive spinning]: pinned to one CPU with its peer, a waiter's spin can never
+    see the event (the peer cannot run meanwhile), so the waiter learns to sleep at once."""
+    ctx = mp.get_context("fork")
+    a, b = ctx.Queue(), ctx.Queue()
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    mask = os.sched_getaffinity(0)
+    peer = ctx.Process(target=_echo_pinned, args=(a, b, cpu, 300))
+    peer.start()
+    os.sched_setaffinity(0, {cpu})
+    try:
+        assert b._ring.spin_state[0] > 0  # opened with two CPUs usable: may spin
+        for i in range(300):
+            a.put(i)
+            assert b.get(timeout=T) == i
+        max_ns, _misses, _skip, off = b._ring.spin_state
+        assert off > 4, b._ring.spin_state  # backed off at least once past the first pause
+    finally:
+        os.sched_setaffinity(0, mask)
+        peer.join(T)
+    assert peer.exitcode == 0
+    a.close()
+    b.close()
+
+
+def _report_spin(q, out):
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    q2 = pickle.loads(pickle.dumps(q))  # opened again, now on one CPU
+    out.put((q._ring.spin_state[0], q2._ring.spin_state[0]))
+
+
+def test_a_process_on_one_cpu_never_spins():
+    ctx = mp.get_context("fork")
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_report_spin, args=(q, out))
+    p.start()
+    inherited, reopened = out.get(timeout=T)
+    p.join(T)
+    assert reopened == 0
+    assert inherited == (q._ring.spin_state[0])  # the fork's copy keeps its parent's view
+    q.close()

@@ -188,3 +188,34 @@ def test_a_child_forked_later_sees_the_same_tensors():
     os.close(r)
     assert os.waitpid(pid, 0)[1] == 0
     q.close()
+
+
+@pytest.mark.parametrize("view", [lambda a: a, lambda a: a[::-1, 1::2], lambda a: a.T],
+                         ids=["whole", "reversed-strided", "transposed"])
+def test_arrays_in_blocks_cross_as_records_and_view_the_same_memory(view):
+    import numpy as np
+
+    q = mp.SimpleQueue()
+    a = mp.empty_array((4, 6), "int32")
+    a[:] = np.arange(24).reshape(4, 6)
+    x = view(a)
+    tag, got = _frame_tag(q, x)
+    assert tag == TAG_RECORD
+    assert np.array_equal(got, x) and got.strides == x.strides and got.dtype == x.dtype
+    assert got.__array_interface__["data"][0] == x.__array_interface__["data"][0]
+    got[...] = -1
+    assert (x == -1).all()
+    a.flags.writeable = False
+    _, ro = _frame_tag(q, a)
+    assert not ro.flags.writeable
+    q.close()
+
+
+def test_arrays_outside_blocks_or_of_odd_dtypes_are_pickled():
+    import numpy as np
+
+    q = mp.SimpleQueue()
+    for arr in (np.arange(10.0), mp.empty_array(3, ">f4"), np.array([object()])):
+        tag, got = _frame_tag(q, arr)
+        assert tag == 0 and got.dtype == arr.dtype and got.shape == arr.shape
+    q.close()

@@ -443,6 +443,14 @@ void init_queue(py::module_& m) {
            "SimpleQueue: every put and get keeps this wake-up pipe (Note [Doorbell]).")
       .def("watch_doorbell", &RingHandle::watch_doorbell,
            "Arms the doorbell and rings it if items are queued with no live ringer.")
+      .def_property_readonly(
+          "spin_state",
+          [](RingHandle& r) {
+            SpinPolicy::State st = r.ring().spin_state();
+            return py::make_tuple(st.max_ns, st.misses, st.skip, st.off);
+          },
+          "(most ns a wait spins here, misses in a row, waits left without spinning, the next "
+          "back-off): Note [Adaptive spinning].")
       .def_property_readonly("doorbell_owner",
                              [](RingHandle& r) { return r.ring().doorbell_owner(); })
       .def_property_readonly("capacity", [](RingHandle& r) { return r.ring().capacity(); },

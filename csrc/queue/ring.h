@@ -283,6 +283,8 @@ class Ring {
   /// The getter found the ring empty after draining: clears the flag if it still names us.
   void doorbell_release();
   /// The pid owing a byte, 0 if none (tests).
+  /// This process's spinning on this ring (Note [Adaptive spinning]).
+  SpinPolicy::State spin_state() const { return spin_.state(); }
   uint64_t doorbell_owner() const;
 
   /// Note [Ring holders]: `n` more queue objects of this process hold the ring.

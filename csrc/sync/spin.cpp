@@ -11,14 +11,15 @@ constexpr auto relaxed = std::memory_order_relaxed;
 }  // namespace
 
 int SpinPolicy::usable_cpus() {
-  // The mask can change (taskset -p), rarely; a stale answer only mis-tunes the spin.
-  static const int cpus = [] {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
-    return CPU_COUNT(&set);
-  }();
-  return cpus;
+  // The mask can change later (taskset -p), rarely; a stale answer only mis-tunes the spin.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return CPU_COUNT(&set);
+}
+
+SpinPolicy::State SpinPolicy::state() const {
+  return State{max_ns_, misses_.load(relaxed), skip_.load(relaxed), off_.load(relaxed)};
 }
 
 SpinPolicy::SpinPolicy(int64_t max_ns) : max_ns_(usable_cpus() > 1 ? max_ns : 0) {}

@@ -8,7 +8,8 @@
 // needs, and every wait costs the whole spin: a small-message ping-pong took 57 us one way
 // with a fixed 50 us spin against 4.4 us with none. A fixed spin is right for one regime
 // only, so each process learns per queue which regime it is in:
-//   - never spin when this process may run on one CPU only (its affinity mask);
+//   - never spin when this process may run on one CPU only (its affinity mask when it
+//     opened the queue);
 //   - a spin that ends with the event keeps spinning on;
 //   - two spins in a row that end without it switch spinning off for the next `off` waits,
 //     then one wait spins again as a probe; `off` doubles on each failed probe (4 to 256),
@@ -35,8 +36,17 @@ class SpinPolicy {
   /// The spin of that wait saw the event (`caught`) or ran out.
   void record(bool caught);
 
-  /// CPUs this process may run on (sched_getaffinity), read once per process.
+  /// CPUs this thread may run on now (sched_getaffinity): read when a queue is opened.
   static int usable_cpus();
+
+  struct State {
+    int64_t max_ns;  ///< 0: never spins here
+    uint32_t misses;
+    uint32_t skip;
+    uint32_t off;
+  };
+  /// For tests and diagnostics.
+  State state() const;
 
  private:
   static constexpr uint32_t MIN_OFF = 4;

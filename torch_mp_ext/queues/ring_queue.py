@@ -58,6 +58,7 @@ import warnings
 import weakref
 from typing import Any, Iterable, List, NoReturn, Optional
 
+import numpy as np
 import torch
 
 from .. import _C
@@ -73,7 +74,7 @@ from ..sharing.pickling import (
     release_frame,
     to_block,
 )
-from ..sharing.records import share_tensor
+from ..sharing.records import share_array, share_tensor
 from ..sharing.strategy import get_all_sharing_strategies
 from ..timeouts import ring_seconds
 from .compat import SimpleQueueCompat
@@ -95,6 +96,7 @@ SPIN_NS = int(os.environ.get("TORCH_MP_EXT_QUEUE_SPIN_NS", 50_000))
 
 #: Note [Rings are anonymous]: only where there is no file_descriptor strategy is a ring named.
 _Tensor = torch.Tensor
+_ndarray = np.ndarray
 _RING_NAMED = "file_descriptor" not in get_all_sharing_strategies()
 
 _OK, _EMPTY, _FULL, _TIMEOUT, _CLOSED = (int(s) for s in (
@@ -159,6 +161,16 @@ def _register_exit_hook() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 _register_exit_hook()
 multiprocessing.util.register_after_fork(_register_exit_hook, lambda _: _register_exit_hook())
+
+
+def _record_of(obj: Any) -> Optional[bytes]:
+    """Note [Lean tensor records]: the record of a plain tensor or array, else None."""
+    tp = type(obj)
+    if tp is _Tensor:
+        return share_tensor(obj)
+    if tp is _ndarray:
+        return share_array(obj)
+    return None
 
 
 def _timeout(block: bool, timeout: Optional[float]) -> float:
@@ -291,7 +303,7 @@ class _RingQueue:
             tag, data = TAG_BYTES, obj
             if len(obj) > self._ool:
                 tag, data = TAG_BLOCK, to_block(TAG_BYTES, (obj,))
-        elif type(obj) is _Tensor and (record := share_tensor(obj)) is not None:
+        elif (record := _record_of(obj)) is not None:
             tag, data = TAG_RECORD, record  # Note [Lean tensor records]
         else:
             tag = 0
@@ -355,7 +367,7 @@ class _RingQueue:
         try:
             for obj in items:  # bytes items are pickled too here: one tag for the batch
                 tag = 0
-                if type(obj) is _Tensor and (record := share_tensor(obj)) is not None:
+                if (record := _record_of(obj)) is not None:
                     tag, data = TAG_RECORD, record  # Note [Lean tensor records]
                 else:
                     data = dump_item(obj, limit)

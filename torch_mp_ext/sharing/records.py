@@ -15,8 +15,9 @@ or gives it back; ``release`` drops it for a frame nobody will take.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch.multiprocessing.reductions import SharedCache, StorageWeakRef
 
@@ -24,7 +25,7 @@ from .. import _C
 from ..errors import CorruptSegmentError
 from . import memory as _memory
 
-__all__ = ["shared_cache", "share_tensor", "rebuild", "release"]
+__all__ = ["shared_cache", "share_tensor", "share_array", "rebuild", "release"]
 
 class _Cache(SharedCache):
     """torch's ``SharedCache`` with a lock only around its sweep: a locked ``get`` and
@@ -55,9 +56,15 @@ _DTYPES += [d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "u
 _CODES = {d: i for i, d in enumerate(_DTYPES)}
 _ITEMSIZE = [torch.empty((), dtype=d).element_size() for d in _DTYPES]
 
+#: numpy dtypes a record carries (native byte order, no objects): the position in this list.
+_NP_DTYPES = [np.dtype(c) for c in "?bBhHiIlLqQefdg"]
+_NP_CODES = {d: i for i, d in enumerate(_NP_DTYPES)}
+
 KIND_TENSOR = 0
-REQUIRES_GRAD = 1
-DENSE = 2  # contiguous from the storage's first byte to its last: frombuffer + view
+KIND_ARRAY = 1
+REQUIRES_GRAD = 1  # tensors
+DENSE = 2  # tensors: contiguous from the storage's first byte to its last: frombuffer + view
+READONLY = 4  # arrays: not writeable
 
 
 def _record(t: torch.Tensor, code: int, s: torch.UntypedStorage, nbytes: int) -> Optional[tuple]:
@@ -95,9 +102,38 @@ def share_tensor(t: torch.Tensor) -> Optional[bytes]:
     return data
 
 
-def rebuild(data: bytes) -> torch.Tensor:
-    """The tensor of a record, viewing its block (zero-copy); takes over its reference."""
+def share_array(arr: np.ndarray) -> Optional[bytes]:
+    """The record of an array whose memory lies in a block of this process, or None (then
+    it is pickled: copied into a block if large). The caller checked ``type(arr)``."""
+    code = _NP_CODES.get(arr.dtype)
+    if code is None or arr.size == 0:
+        return None
+    low, span = _memory.extent(arr)
+    got = _C.share_record(arr.__array_interface__["data"][0] + low, span, -low, arr.shape,
+                          arr.strides, code, KIND_ARRAY,
+                          0 if arr.flags.writeable else READONLY)
+    return None if got is None else got[0]
+
+
+def _rebuild_array(data: bytes, code: int, flags: int, offset: int, so: int, sizes: tuple,
+                   strides: tuple) -> np.ndarray:
+    if code >= len(_NP_DTYPES):
+        _C.release_record(data)
+        raise CorruptSegmentError(f"a queue item holds a shared array record of dtype code "
+                                  f"{code}, which this version cannot read")
+    arr = _memory.array_from_block(_C.attach_record(data), offset + so, sizes,
+                                   _NP_DTYPES[code], strides)
+    if flags & READONLY:
+        arr.flags.writeable = False
+    return arr
+
+
+def rebuild(data: bytes) -> Any:
+    """The tensor or array of a record, viewing its block (zero-copy); takes over its
+    reference."""
     key, kind, code, flags, offset, nbytes, so, sizes, strides, _ = _C.read_record(data)
+    if kind == KIND_ARRAY:
+        return _rebuild_array(data, code, flags, offset, so, sizes, strides)
     if kind != KIND_TENSOR or code >= len(_DTYPES):
         _C.release_record(data)
         raise CorruptSegmentError(f"a queue item holds a shared tensor record of kind {kind} "
