@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <time.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include "ipc/fd_server.h"
 #include "platform/process.h"
 #include "shm/arena.h"
+#include "shm/session.h"
 
 namespace torch_mp_ext {
 
@@ -425,11 +427,26 @@ RegistryStats Registry::stats() {
   return s;
 }
 
+namespace {
+/// Test hook: the atfork child handler sleeps this long before marking its blocks.
+std::atomic<int> g_fork_child_delay_ms{0};
+}  // namespace
+
+void set_fork_child_delay_for_tests(int milliseconds) { g_fork_child_delay_ms.store(milliseconds); }
+
 // Lock order everywhere: Arena, then Registry, then FdServer.
 void Registry::atfork_prepare() {
   Arena::instance().atfork_prepare();
   mu_.lock();
   FdServer::instance().atfork_prepare();
+  if (forking_keeper_ || released_) return;  // the keeper holds nothing (Note [Exit keeper])
+  // Note [Mappings and fork]: the child's references are counted here, before it exists.
+  for (auto& [id, mapping] : by_id_) {
+    const auto& counts = mapping->local_counts;
+    for (uint32_t i = 0; i < counts.size(); ++i) {
+      if (counts[i] != 0) mapping->slots()[i].refcount.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
 }
 
 void Registry::atfork_parent() {
@@ -446,18 +463,23 @@ void Registry::atfork_child() {
     return;
   }
   refresh_self_after_fork();
+  session_atfork_child();  // Note [Session names]
   FdServer::instance().atfork_child();
+  if (int delay = g_fork_child_delay_ms.load()) {
+    struct timespec ts = {delay / 1000, (delay % 1000) * 1000000L};
+    ::nanosleep(&ts, nullptr);
+  }
   for (auto& [id, mapping] : by_id_) {
     mapping->owned = false;
     mapping->close_fd();
     mapping->holder_index = -1;  // the parent's slot; the child takes its own
     mapping->register_holder();
     HolderMask* masks = mapping->masks();
-    auto& counts = mapping->local_counts;
+    if (masks == nullptr || mapping->holder_index < 0) continue;
+    const auto& counts = mapping->local_counts;
     for (uint32_t i = 0; i < counts.size(); ++i) {
-      if (counts[i] == 0) continue;  // Note [Mappings and fork]: the child counts its own
-      mapping->slots()[i].refcount.fetch_add(1, std::memory_order_acq_rel);
-      if (masks != nullptr && mapping->holder_index >= 0) mask_set(masks[i], mapping->holder_index);
+      // Note [Mappings and fork]: the parent counted these before the fork; mark them ours.
+      if (counts[i] != 0) mask_set(masks[i], mapping->holder_index);
     }
   }
   mu_.unlock();
