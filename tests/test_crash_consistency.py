@@ -137,8 +137,7 @@ def test_a_killed_holder_of_two_queue_objects_does_not_free_the_ring():
 # ---- TaskPool: workers killed and replaced, again and again --------------------------------
 
 POOL_CASES = [("fork", "file_descriptor", 20), ("forkserver", "file_system", 20),
-              ("fork", "file_system", 20 if LONG else 5),
-              ("forkserver", "file_descriptor", 20 if LONG else 5)]
+              ("fork", "file_system", 20), ("forkserver", "file_descriptor", 20)]
 
 
 @pytest.mark.parametrize("start_method, strategy, rounds", POOL_CASES,

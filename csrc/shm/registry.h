@@ -108,8 +108,9 @@ class Registry {
 
   /// Adds a mapping created by this process (allocator side) and links a BlockRef on `index`.
   void add_owned_locked(const std::shared_ptr<Mapping>& mapping);
+  /// `redeem`: the reference is a handle's, leaving the segment's `inflight` count.
   std::unique_ptr<BlockRef> adopt_locked(const std::shared_ptr<Mapping>& mapping,
-                                         uint32_t index);
+                                         uint32_t index, bool redeem = false);
 
   /// Rebuilds a handle: maps the segment if needed and adopts the handle's reference.
   std::unique_ptr<BlockRef> attach(const Handle& handle, double timeout);
