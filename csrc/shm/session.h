@@ -18,7 +18,11 @@
 // leaves the table; the one that then finds no live member (usually the root, after joining
 // its children) unlinks every name of the session whose creator and holders are all dead,
 // whatever is in flight, and then the member table. Since every process that could hold a
-// handle to such a name is a member and dead, nothing can redeem it any more.
+// handle to such a name is a member and dead, nothing can redeem it any more. The one way
+// around that is a handle handed outside the run (a ForkingPickler pickle written to a file
+// or a socket that an unrelated program, with its own session, reads later): such a handle
+// must be redeemed before its run has ended, as with torch's file_system strategy before
+// its creator unlinks the name.
 // Limits: a member that finds the table full (128 processes alive at once) is counted in
 // `untracked`, and a session with an untracked member is never swept (a leak, never an early
 // unlink); two last members exiting at the same instant may each see the other alive and
