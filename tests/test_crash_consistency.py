@@ -269,6 +269,34 @@ def test_names_of_messages_lost_in_flight_are_gone_once_the_run_exits():
     assert left == []
 
 
+KILLED_ROOT_SCRIPT = SESSION_SCRIPT.replace("q.close()", "os.kill(os.getpid(), 9)")
+
+
+def test_cleanup_sweeps_a_run_whose_last_process_was_killed():
+    """The run's last process was SIGKILLed, so nobody swept its names: `cleanup` finds its
+    session with no live member and removes them, and the session's table, with no
+    --include-inflight (nothing can redeem a handle of a run that is over)."""
+    tests_dir = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TORCH_MP_EXT_SESSION", None)
+    done = subprocess.run([sys.executable, "-c", KILLED_ROOT_SCRIPT], capture_output=True,
+                          text=True, timeout=T, env=env)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    root, sender = map(int, done.stdout.split()[:2])
+
+    def left():
+        return [n for n in os.listdir("/dev/shm")
+                if n.startswith((f"torch_{root}_", f"torch_{sender}_", f"tmx_{root}_"))]
+
+    assert any(n.startswith(f"tmx_{root}_session_") for n in left()), left()
+    assert len(left()) >= 3, left()  # the table and the names lost in flight
+    out = subprocess.run([sys.executable, "-m", "torch_mp_ext", "cleanup"], capture_output=True,
+                         text=True, timeout=T, env=env)
+    assert out.returncode == 0, out.stderr
+    assert left() == [], (left(), out.stdout)
+
+
 # ---- the kill-anywhere harness (tests/_kill_anywhere.py) ------------------------------------
 
 HARNESS_ROUNDS = {"file_descriptor": 2000 if LONG else 60, "file_system": 500 if LONG else 30}

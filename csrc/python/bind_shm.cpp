@@ -173,6 +173,16 @@ survivors do, and report any a dead process still holds.)pbdoc");
       },
       R"pbdoc(At normal exit: leaves the session; the last member alive unlinks the names
       of the session that no live process holds. Returns the names removed.)pbdoc");
+  m.def(
+      "reap_dead_sessions",
+      [](bool dry_run) {
+        py::gil_scoped_release nogil;
+        return reap_dead_sessions(dry_run);
+      },
+      py::arg("dry_run") = false,
+      R"pbdoc(Sweeps sessions whose members are all dead (Note [Session names]): their names
+      nobody alive holds, then their member tables. Returns the names removed (or that would
+      be, with dry_run).)pbdoc");
   m.def("_set_fork_child_delay", &set_fork_child_delay_for_tests, py::arg("milliseconds"),
         R"pbdoc(Test hook: forked children wait this long before marking the blocks they
         inherited (Note [Mappings and fork]).)pbdoc");

@@ -137,17 +137,12 @@ void session_atfork_child() {
 
 uint32_t session_name_tag() { return g_table == nullptr ? 0 : static_cast<uint32_t>(g_tag); }
 
-std::vector<std::string> session_end() {
-  std::vector<std::string> removed;
-  if (g_table == nullptr) return removed;
-  session_leave();
-  HolderTable table = members_of(g_table);
-  if (!table.can_judge() || table.any_alive() ||
-      g_table->untracked.load(std::memory_order_acquire) != 0) {
-    return removed;
-  }
+namespace {
+
+/// Unlinks (or lists, with `dry_run`) the names of session `tag32` that no live process holds.
+std::vector<std::string> sweep_names(uint32_t tag32, bool dry_run) {
   char tag_hex[9];
-  std::snprintf(tag_hex, sizeof(tag_hex), "%08" PRIx32, session_name_tag());
+  std::snprintf(tag_hex, sizeof(tag_hex), "%08" PRIx32, tag32);
   std::vector<std::string> names;
   if (DIR* dir = ::opendir("/dev/shm")) {
     while (dirent* entry = ::readdir(dir)) {
@@ -158,10 +153,67 @@ std::vector<std::string> session_end() {
     }
     ::closedir(dir);
   }
+  std::vector<std::string> removed;
   for (const std::string& name : names) {
-    if (unheld("/dev/shm/" + name) && unlink_name("/" + name)) removed.push_back(name);
+    if (unheld("/dev/shm/" + name) && (dry_run || unlink_name("/" + name))) {
+      removed.push_back(name);
+    }
   }
+  return removed;
+}
+
+}  // namespace
+
+std::vector<std::string> session_end() {
+  if (g_table == nullptr) return {};
+  session_leave();
+  HolderTable table = members_of(g_table);
+  if (!table.can_judge() || table.any_alive() ||
+      g_table->untracked.load(std::memory_order_acquire) != 0) {
+    return {};
+  }
+  std::vector<std::string> removed = sweep_names(session_name_tag(), false);
   ::shm_unlink(g_name.c_str());
+  return removed;
+}
+
+std::vector<std::string> reap_dead_sessions(bool dry_run) {
+  std::vector<std::string> tables;
+  if (DIR* dir = ::opendir("/dev/shm")) {
+    while (dirent* entry = ::readdir(dir)) {
+      std::string name = entry->d_name;
+      char* end = nullptr;
+      if (name.compare(0, 4, "tmx_") != 0) continue;
+      long pid = std::strtol(name.c_str() + 4, &end, 10);
+      if (end == name.c_str() + 4 || pid <= 0 || std::string(end).rfind("_session_", 0) != 0) {
+        continue;
+      }
+      if ("/" + name == g_name || process_alive(static_cast<pid_t>(pid))) continue;
+      tables.push_back(name);
+    }
+    ::closedir(dir);
+  }
+  std::vector<std::string> removed;
+  for (const std::string& name : tables) {
+    UniqueFd fd(::shm_open(("/" + name).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0));
+    struct stat st;
+    if (!fd.valid() || ::fstat(fd.get(), &st) != 0 ||
+        static_cast<size_t>(st.st_size) < sizeof(SessionTable)) {
+      continue;
+    }
+    void* p = ::mmap(nullptr, sizeof(SessionTable), PROT_READ, MAP_SHARED, fd.get(), 0);
+    if (p == MAP_FAILED) continue;
+    auto* t = static_cast<SessionTable*>(p);
+    HolderTable table = members_of(t);
+    bool over = t->magic.load(std::memory_order_acquire) == SESSION_MAGIC &&
+                table.can_judge() && !table.any_alive() &&
+                t->untracked.load(std::memory_order_acquire) == 0;
+    uint32_t tag32 = static_cast<uint32_t>(t->tag);
+    ::munmap(p, sizeof(SessionTable));
+    if (!over) continue;
+    for (std::string& n : sweep_names(tag32, dry_run)) removed.push_back(std::move(n));
+    if (dry_run || unlink_name("/" + name)) removed.push_back(name);
+  }
   return removed;
 }
 

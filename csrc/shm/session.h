@@ -26,8 +26,9 @@
 // Limits: a member that finds the table full (128 processes alive at once) is counted in
 // `untracked`, and a session with an untracked member is never swept (a leak, never an early
 // unlink); two last members exiting at the same instant may each see the other alive and
-// both leave the sweep undone (`python -m torch_mp_ext cleanup --include-inflight` then);
-// a run whose last member is SIGKILLed leaves what it held, as before. The forkserver's
+// both leave the sweep undone, and a run whose last member is SIGKILLed sweeps nothing:
+// `python -m torch_mp_ext cleanup` then finds the session's table with no live member and
+// sweeps it (reap_dead_sessions). The forkserver's
 // server leaves the table at start (it never holds handles); its children join at fork.
 #pragma once
 
@@ -55,5 +56,10 @@ uint32_t session_name_tag();
 /// live process holds, whatever is in flight, then the member table. Returns the names
 /// removed (the member table not included).
 std::vector<std::string> session_end();
+
+/// Sessions whose members are all dead but whose table is still there (the last member was
+/// SIGKILLed, or exited with os._exit): unlinks (or lists, with `dry_run`) their names that no
+/// live process holds, whatever is in flight, and their tables. Returns the names.
+std::vector<std::string> reap_dead_sessions(bool dry_run);
 
 }  // namespace torch_mp_ext
