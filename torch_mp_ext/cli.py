@@ -22,6 +22,9 @@ def _cleanup(args: argparse.Namespace) -> int:
     removed = _C.reap_dead_segments(
         directory=args.directory, dry_run=args.dry_run, include_inflight=args.include_inflight
     )
+    if os.path.realpath(args.directory) == "/dev/shm":  # Note [Session names]: runs whose
+        # last process was killed before it could sweep their names
+        removed = list(dict.fromkeys(removed + _C.reap_dead_sessions(dry_run=args.dry_run)))
     verb = "would remove" if args.dry_run else "removed"
     for name in removed:
         print(f"{verb} {os.path.join(args.directory, name)}")

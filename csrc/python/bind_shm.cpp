@@ -8,6 +8,7 @@
 #include "shm/reaper.h"
 #include "shm/record.h"
 #include "shm/registry.h"
+#include "shm/session.h"
 
 namespace py = pybind11;
 
@@ -242,6 +243,32 @@ survivors do, and report any a dead process still holds.)pbdoc");
       [](uintptr_t address, size_t nbytes) { return Registry::instance().contains(address, nbytes); },
       py::arg("address"), py::arg("nbytes"),
       R"pbdoc(True if the memory lies inside one live block this process maps.)pbdoc");
+  m.def("session_join", &session_join, py::arg("tag"), py::arg("root"), py::arg("create"),
+        R"pbdoc(Joins (or starts, as its root) a session (Note [Session names]); False if
+        its member table cannot be opened or made.)pbdoc");
+  m.def("session_leave", &session_leave,
+        R"pbdoc(Stops being a session member; fork children still join.)pbdoc");
+  m.def(
+      "session_end",
+      [] {
+        py::gil_scoped_release nogil;
+        return session_end();
+      },
+      R"pbdoc(At normal exit: leaves the session; the last member alive unlinks the names
+      of the session that no live process holds. Returns the names removed.)pbdoc");
+  m.def(
+      "reap_dead_sessions",
+      [](bool dry_run) {
+        py::gil_scoped_release nogil;
+        return reap_dead_sessions(dry_run);
+      },
+      py::arg("dry_run") = false,
+      R"pbdoc(Sweeps sessions whose members are all dead (Note [Session names]): their names
+      nobody alive holds, then their member tables. Returns the names removed (or that would
+      be, with dry_run).)pbdoc");
+  m.def("_set_fork_child_delay", &set_fork_child_delay_for_tests, py::arg("milliseconds"),
+        R"pbdoc(Test hook: forked children wait this long before marking the blocks they
+        inherited (Note [Mappings and fork]).)pbdoc");
   m.def("reclaim_dead_holders", [] { return Registry::instance().reclaim_dead_holders(); },
         R"pbdoc(Drops dead processes' block references on every mapped segment; returns how
         many (Note [Dead holders]).)pbdoc");

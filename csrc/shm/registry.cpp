@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <time.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include "ipc/fd_server.h"
 #include "platform/process.h"
 #include "shm/arena.h"
+#include "shm/session.h"
 
 namespace torch_mp_ext {
 
@@ -162,12 +164,14 @@ void Registry::unlink_locked(BlockRef* ref) {
 }
 
 std::unique_ptr<BlockRef> Registry::adopt_locked(const std::shared_ptr<Mapping>& mapping,
-                                                 uint32_t index) {
+                                                 uint32_t index, bool redeem) {
   auto ref = std::make_unique<BlockRef>(mapping, index);
-  link_locked(ref.get());
   auto& counts = mapping->local_counts;
   if (counts.empty()) counts.assign(mapping->nblocks(), 0);
   TMX_CHECK(index < counts.size(), "block ", index, " of a ", counts.size(), "-block segment");
+  // Note [Dead holders]: a handle's reference leaves `inflight` only now, after everything
+  // that allocates, so that a death between that and the mark below is a few instructions.
+  if (redeem) drop_inflight(mapping->header());
   if (counts[index]++ == 0) {
     HolderMask* masks = mapping->masks();
     if (masks != nullptr && mapping->holder_index >= 0) {
@@ -176,6 +180,7 @@ std::unique_ptr<BlockRef> Registry::adopt_locked(const std::shared_ptr<Mapping>&
   } else {
     decref_block(*mapping, index);  // this process already holds its one counted reference
   }
+  link_locked(ref.get());
   return ref;
 }
 
@@ -309,8 +314,7 @@ std::unique_ptr<BlockRef> Registry::attach(const Handle& handle, double timeout)
     maybe_unmap_locked(mapping);  // a bad handle leaves no mapping behind
     throw;
   }
-  drop_inflight(mapping->header());
-  return adopt_locked(mapping, handle.index);
+  return adopt_locked(mapping, handle.index, /*redeem=*/true);
 }
 
 void Registry::release_handle(const Handle& handle, double timeout) {
@@ -425,11 +429,26 @@ RegistryStats Registry::stats() {
   return s;
 }
 
+namespace {
+/// Test hook: the atfork child handler sleeps this long before marking its blocks.
+std::atomic<int> g_fork_child_delay_ms{0};
+}  // namespace
+
+void set_fork_child_delay_for_tests(int milliseconds) { g_fork_child_delay_ms.store(milliseconds); }
+
 // Lock order everywhere: Arena, then Registry, then FdServer.
 void Registry::atfork_prepare() {
   Arena::instance().atfork_prepare();
   mu_.lock();
   FdServer::instance().atfork_prepare();
+  if (forking_keeper_ || released_) return;  // the keeper holds nothing (Note [Exit keeper])
+  // Note [Mappings and fork]: the child's references are counted here, before it exists.
+  for (auto& [id, mapping] : by_id_) {
+    const auto& counts = mapping->local_counts;
+    for (uint32_t i = 0; i < counts.size(); ++i) {
+      if (counts[i] != 0) mapping->slots()[i].refcount.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
 }
 
 void Registry::atfork_parent() {
@@ -446,20 +465,28 @@ void Registry::atfork_child() {
     return;
   }
   refresh_self_after_fork();
-  FdServer::instance().atfork_child();
+  if (int delay = g_fork_child_delay_ms.load()) {
+    struct timespec ts = {delay / 1000, (delay % 1000) * 1000000L};
+    ::nanosleep(&ts, nullptr);
+  }
+  // Note [Mappings and fork]: the parent counted our references before the fork; mark them
+  // ours first thing (a death before that leaks them), then the rest.
   for (auto& [id, mapping] : by_id_) {
-    mapping->owned = false;
-    mapping->close_fd();
     mapping->holder_index = -1;  // the parent's slot; the child takes its own
     mapping->register_holder();
     HolderMask* masks = mapping->masks();
-    auto& counts = mapping->local_counts;
+    if (masks == nullptr || mapping->holder_index < 0) continue;
+    const auto& counts = mapping->local_counts;
     for (uint32_t i = 0; i < counts.size(); ++i) {
-      if (counts[i] == 0) continue;  // Note [Mappings and fork]: the child counts its own
-      mapping->slots()[i].refcount.fetch_add(1, std::memory_order_acq_rel);
-      if (masks != nullptr && mapping->holder_index >= 0) mask_set(masks[i], mapping->holder_index);
+      if (counts[i] != 0) mask_set(masks[i], mapping->holder_index);
     }
   }
+  for (auto& [id, mapping] : by_id_) {
+    mapping->owned = false;
+    mapping->close_fd();
+  }
+  session_atfork_child();  // Note [Session names]
+  FdServer::instance().atfork_child();
   mu_.unlock();
   Arena::instance().atfork_child();
 }

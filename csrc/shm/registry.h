@@ -16,11 +16,21 @@
 // drop_orphaned_idle() (empty_cache()), also drop idle mappings whose owner pid is gone.
 //
 // Note [Mappings and fork]
-// After fork(2) the child inherits every mapping and every live BlockRef, but holds no counted
-// reference yet: the atfork child handler increments each inherited block once, registers the
-// child as a holder of every segment (Note [Dead holders]), forgets ownership (the parent allocates from its
-// segments; the child makes its own) and closes inherited owner fds. The registry mutex is
-// taken in the atfork prepare handler so the child never inherits it locked.
+// After fork(2) the child inherits every mapping and every live BlockRef. Its references are
+// counted by the *parent*, in the atfork prepare handler, under the registry mutex: one
+// increment per block this process holds, before the child exists. The child handler then
+// registers the child as a holder of every segment and sets its bit on those blocks (Note
+// [Dead holders]: counted, then marked), forgets ownership (the parent allocates from its
+// segments; the child makes its own) and closes inherited owner fds.
+// Counting in the child instead (as this once did) over-drops: the parent resumes as soon as
+// fork returns and may drop its own reference to a block before the child's handler has run;
+// if that was the last one, the block goes back to the free stack, and the child's increment
+// then lands on a free block that the owner hands out again (issue 12: a TaskPool worker
+// forked as a replacement while its parent let go of task values; caught by the kill-anywhere
+// harness, reproduced by tests/test_crash_consistency.py with a delayed child handler).
+// What a death costs: a child killed before its handler marked its bits, or a fork that
+// fails (the prepare handler cannot know), leaks those references (never frees one early).
+// The registry mutex is taken in the prepare handler so the child never inherits it locked.
 #pragma once
 
 #include <sys/types.h>
@@ -98,8 +108,9 @@ class Registry {
 
   /// Adds a mapping created by this process (allocator side) and links a BlockRef on `index`.
   void add_owned_locked(const std::shared_ptr<Mapping>& mapping);
+  /// `redeem`: the reference is a handle's, leaving the segment's `inflight` count.
   std::unique_ptr<BlockRef> adopt_locked(const std::shared_ptr<Mapping>& mapping,
-                                         uint32_t index);
+                                         uint32_t index, bool redeem = false);
 
   /// Rebuilds a handle: maps the segment if needed and adopts the handle's reference.
   std::unique_ptr<BlockRef> attach(const Handle& handle, double timeout);
@@ -170,5 +181,9 @@ class Registry {
 void decref_block(Mapping& mapping, uint32_t index);
 
 uint64_t refcount_underflows();
+
+/// Test hook (Note [Mappings and fork]): the atfork child handler of later forks sleeps
+/// `milliseconds` before marking its blocks, widening the window a parent's drop races.
+void set_fork_child_delay_for_tests(int milliseconds);
 
 }  // namespace torch_mp_ext

@@ -17,6 +17,7 @@
 #include "common/arith.h"
 #include "common/check.h"
 #include "platform/process.h"
+#include "shm/session.h"
 #include "shm/unmapper.h"
 
 namespace torch_mp_ext {
@@ -113,8 +114,11 @@ char* map_fd(int fd, size_t size, const std::string& resource) {
 
 std::string new_name() {
   char buf[NAME_CAPACITY];
-  std::snprintf(buf, sizeof(buf), "/torch_%d_%016" PRIx64, static_cast<int>(self_pid()),
-                random_u64());
+  uint64_t random = random_u64();
+  if (uint32_t tag = session_name_tag()) {  // Note [Session names]: the tag, then 32 random bits
+    random = (static_cast<uint64_t>(tag) << 32) | (random & 0xffffffffu);
+  }
+  std::snprintf(buf, sizeof(buf), "/torch_%d_%016" PRIx64, static_cast<int>(self_pid()), random);
   return buf;
 }
 

@@ -332,6 +332,9 @@ def _close_stdin() -> None:
 
 def _serve(listener_fd: int, alive_r: int) -> None:
     _close_stdin()
+    # Note [Session names]: the server holds no handles and lives until its launcher has
+    # exited, so it must not count as a live member of the run; each worker joins at fork.
+    _C.session_leave()
     sig_r, sig_w = os.pipe()
     os.set_blocking(sig_r, False)
     os.set_blocking(sig_w, False)

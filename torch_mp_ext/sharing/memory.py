@@ -19,6 +19,7 @@ blocks stay referenced until their owner exits (file_system names are reaped, se
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.util
 import os
 import threading
@@ -46,6 +47,8 @@ __all__ = [
 #: numpy arrays smaller than this that are not already in shared memory are pickled by
 #: value: for them a copy through the pipe is cheaper than a block (the result is the same,
 #: since such arrays are copied either way).
+log = logging.getLogger(__name__)
+
 NUMPY_MIN_SHARED_BYTES = int(os.environ.get("TORCH_MP_EXT_NUMPY_MIN_BYTES", 64 * 1024))
 
 
@@ -202,10 +205,32 @@ def reclaim_after_death() -> None:
         _C.reclaim_named_segments()
 
 
+#: Names the session of this run (Note [Session names] in ``csrc/shm/session.h``):
+#: ``<tag hex>:<root pid>``, set by the run's first process, inherited by the others.
+SESSION_ENV = "TORCH_MP_EXT_SESSION"
+
+
+def _join_session() -> None:
+    """Joins the run's session, or starts one as its root (Note [Session names])."""
+    try:
+        tag_hex, root = os.environ.get(SESSION_ENV, "").split(":")
+        if _C.session_join(int(tag_hex, 16), int(root), False):
+            return
+    except ValueError:
+        pass  # none inherited (or not ours): this process is a root
+    tag = int.from_bytes(os.urandom(8), "little") | 1
+    if _C.session_join(tag, os.getpid(), True):
+        os.environ[SESSION_ENV] = f"{tag:016x}:{os.getpid()}"
+    else:
+        log.debug("no session member table in /dev/shm: names of messages lost in flight "
+                  "stay until `python -m torch_mp_ext cleanup --include-inflight`")
+
+
 def _release_at_exit() -> None:
     _C.release_all()
     if _used_file_system:
         _C.reap_dead_segments()
+    _C.session_end()  # the last member of the run sweeps its names (Note [Session names])
 
 
 def _register_exit_hook() -> None:
@@ -213,6 +238,7 @@ def _register_exit_hook() -> None:
     multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=-100)
 
 
+_join_session()
 _register_exit_hook()
 # Forked multiprocessing children clear inherited finalizers, then run after-fork hooks.
 multiprocessing.util.register_after_fork(_register_exit_hook, lambda _: _register_exit_hook())

@@ -1,0 +1,220 @@
+// Session member table and the sweep of a finished session's names (Note [Session names]).
+#include "shm/session.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+
+#include "common/unique_fd.h"
+#include "platform/process.h"
+#include "shm/layout.h"
+#include "shm/reaper.h"
+#include "shm/segment.h"
+#include "sync/holders.h"
+
+namespace torch_mp_ext {
+
+namespace {
+
+constexpr uint64_t SESSION_MAGIC = 0x314e4f4953534d54ULL;  // "TMSSION1" little-endian
+constexpr size_t MAX_MEMBERS = 128;
+
+struct SessionTable {
+  std::atomic<uint64_t> magic;  ///< written last by the root
+  uint64_t tag;
+  uint64_t pidns;                 ///< the root's pid namespace: members are judged there
+  std::atomic<int64_t> untracked;  ///< members that found no free slot (never swept then)
+  HolderSlot members[MAX_MEMBERS];
+};
+
+SessionTable* g_table = nullptr;
+uint64_t g_tag = 0;
+std::string g_name;
+int g_slot = -1;
+
+HolderTable members_of(SessionTable* t) {
+  return HolderTable(t->members, MAX_MEMBERS, sizeof(HolderSlot), t->pidns);
+}
+
+void claim_member() {
+  HolderTable table = members_of(g_table);
+  g_slot = table.claim();
+  if (g_slot < 0) {
+    table.reap([](size_t) {});  // slots of dead members hold nothing: free them
+    g_slot = table.claim();
+  }
+  if (g_slot < 0) g_table->untracked.fetch_add(1, std::memory_order_acq_rel);
+}
+
+/// A name of the session (its tag in the first 8 hex digits) made by `creator`, or 0.
+pid_t session_name_creator(const std::string& entry, const std::string& tag_hex) {
+  if (entry.compare(0, 6, "torch_") != 0) return 0;
+  char* end = nullptr;
+  long pid = std::strtol(entry.c_str() + 6, &end, 10);
+  if (end == entry.c_str() + 6 || *end != '_' || pid <= 0) return 0;
+  std::string hex(end + 1);
+  if (hex.size() != 16 || hex.compare(0, 8, tag_hex) != 0) return 0;
+  return static_cast<pid_t>(pid);
+}
+
+/// Nobody alive holds the segment at `path` and its creator is dead or this process.
+bool unheld(const std::string& path) {
+  if (half_made_segment(path)) return true;  // Note [Half-made segments]
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd.valid()) return false;
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
+      static_cast<size_t>(st.st_size) < sizeof(SegmentHeader)) {
+    return false;
+  }
+  void* p = ::mmap(nullptr, sizeof(SegmentHeader), PROT_READ, MAP_SHARED, fd.get(), 0);
+  if (p == MAP_FAILED) return false;
+  auto* h = static_cast<SegmentHeader*>(p);
+  bool garbage = h->magic == SEGMENT_MAGIC && h->layout_version == LAYOUT_VERSION &&
+                 holders_of(h).can_judge() &&
+                 (h->owner_key == self_key() || holder_word_dead(h->owner_key, h->pidns)) &&
+                 !holders_of(h).any_alive();
+  ::munmap(p, sizeof(SegmentHeader));
+  return garbage;
+}
+
+}  // namespace
+
+bool session_join(uint64_t tag, int root, bool create) {
+  if (g_table != nullptr) return g_tag == tag;
+  char name[NAME_CAPACITY];
+  std::snprintf(name, sizeof(name), "/tmx_%d_session_%016" PRIx64, root, tag);
+  int flags = O_RDWR | O_CLOEXEC | O_NOFOLLOW | (create ? O_CREAT | O_EXCL : 0);
+  UniqueFd fd(::shm_open(name, flags, 0600));
+  if (!fd.valid()) return false;
+  struct stat st;
+  bool sized = create ? ::ftruncate(fd.get(), sizeof(SessionTable)) == 0
+                      : ::fstat(fd.get(), &st) == 0 &&
+                            static_cast<size_t>(st.st_size) >= sizeof(SessionTable);
+  void* p = sized ? ::mmap(nullptr, sizeof(SessionTable), PROT_READ | PROT_WRITE, MAP_SHARED,
+                           fd.get(), 0)
+                  : MAP_FAILED;
+  if (p == MAP_FAILED) {
+    if (create) ::shm_unlink(name);
+    return false;
+  }
+  auto* t = static_cast<SessionTable*>(p);
+  if (create) {
+    new (t) SessionTable();  // zero-filled pages: every slot free
+    t->tag = tag;
+    t->pidns = pid_namespace_id();
+    t->magic.store(SESSION_MAGIC, std::memory_order_release);
+  } else if (t->magic.load(std::memory_order_acquire) != SESSION_MAGIC || t->tag != tag) {
+    ::munmap(p, sizeof(SessionTable));
+    return false;
+  }
+  g_table = t;
+  g_tag = tag;
+  g_name = name;
+  claim_member();
+  return true;
+}
+
+void session_leave() {
+  if (g_table == nullptr) return;
+  if (g_slot >= 0) members_of(g_table)[static_cast<size_t>(g_slot)].release(self_key());
+  g_slot = -1;
+}
+
+void session_atfork_child() {
+  if (g_table == nullptr) return;
+  g_slot = -1;  // the parent's slot
+  claim_member();
+}
+
+uint32_t session_name_tag() { return g_table == nullptr ? 0 : static_cast<uint32_t>(g_tag); }
+
+namespace {
+
+/// Unlinks (or lists, with `dry_run`) the names of session `tag32` that no live process holds.
+std::vector<std::string> sweep_names(uint32_t tag32, bool dry_run) {
+  char tag_hex[9];
+  std::snprintf(tag_hex, sizeof(tag_hex), "%08" PRIx32, tag32);
+  std::vector<std::string> names;
+  if (DIR* dir = ::opendir("/dev/shm")) {
+    while (dirent* entry = ::readdir(dir)) {
+      std::string name = entry->d_name;
+      pid_t creator = session_name_creator(name, tag_hex);
+      if (creator == 0 || (creator != self_pid() && process_alive(creator))) continue;
+      names.push_back(name);
+    }
+    ::closedir(dir);
+  }
+  std::vector<std::string> removed;
+  for (const std::string& name : names) {
+    if (unheld("/dev/shm/" + name) && (dry_run || unlink_name("/" + name))) {
+      removed.push_back(name);
+    }
+  }
+  return removed;
+}
+
+}  // namespace
+
+std::vector<std::string> session_end() {
+  if (g_table == nullptr) return {};
+  session_leave();
+  HolderTable table = members_of(g_table);
+  if (!table.can_judge() || table.any_alive() ||
+      g_table->untracked.load(std::memory_order_acquire) != 0) {
+    return {};
+  }
+  std::vector<std::string> removed = sweep_names(session_name_tag(), false);
+  ::shm_unlink(g_name.c_str());
+  return removed;
+}
+
+std::vector<std::string> reap_dead_sessions(bool dry_run) {
+  std::vector<std::string> tables;
+  if (DIR* dir = ::opendir("/dev/shm")) {
+    while (dirent* entry = ::readdir(dir)) {
+      std::string name = entry->d_name;
+      char* end = nullptr;
+      if (name.compare(0, 4, "tmx_") != 0) continue;
+      long pid = std::strtol(name.c_str() + 4, &end, 10);
+      if (end == name.c_str() + 4 || pid <= 0 || std::string(end).rfind("_session_", 0) != 0) {
+        continue;
+      }
+      if ("/" + name == g_name || process_alive(static_cast<pid_t>(pid))) continue;
+      tables.push_back(name);
+    }
+    ::closedir(dir);
+  }
+  std::vector<std::string> removed;
+  for (const std::string& name : tables) {
+    UniqueFd fd(::shm_open(("/" + name).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0));
+    struct stat st;
+    if (!fd.valid() || ::fstat(fd.get(), &st) != 0 ||
+        static_cast<size_t>(st.st_size) < sizeof(SessionTable)) {
+      continue;
+    }
+    void* p = ::mmap(nullptr, sizeof(SessionTable), PROT_READ, MAP_SHARED, fd.get(), 0);
+    if (p == MAP_FAILED) continue;
+    auto* t = static_cast<SessionTable*>(p);
+    HolderTable table = members_of(t);
+    bool over = t->magic.load(std::memory_order_acquire) == SESSION_MAGIC &&
+                table.can_judge() && !table.any_alive() &&
+                t->untracked.load(std::memory_order_acquire) == 0;
+    uint32_t tag32 = static_cast<uint32_t>(t->tag);
+    ::munmap(p, sizeof(SessionTable));
+    if (!over) continue;
+    for (std::string& n : sweep_names(tag32, dry_run)) removed.push_back(std::move(n));
+    if (dry_run || unlink_name("/" + name)) removed.push_back(name);
+  }
+  return removed;
+}
+
+}  // namespace torch_mp_ext

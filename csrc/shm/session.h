@@ -1,0 +1,65 @@
+// The processes of one run, and the file_system names they leave (Note [Session names]).
+//
+// Note [Session names]
+// A handle inside a message holds a counted reference (Note [Block lifetime]) and is counted
+// in its segment's `inflight`. If the process carrying the message dies (a consumer killed
+// after its get committed, a producer killed between pickling and committing its put, a
+// pipeline stage killed with items in hand), the handle is gone but still counted, and a
+// file_system name it named stays in /dev/shm: the run-time reaper (Note [Reclaiming names at
+// run time]) rightly leaves names that something in flight may still redeem. Only once no
+// process that could redeem it lives is such a name garbage.
+// So the processes of a run form a *session*: the first process that imports torch_mp_ext
+// (no TORCH_MP_EXT_SESSION in its environment) is its root; it creates a member table
+// (/dev/shm/tmx_<root pid>_session_<tag>, a holder table: Note [Holder tables]) and exports
+// the tag; spawned and forkserver children and subprocesses inherit the variable and join
+// at import, fork children join in the registry's atfork child handler (whatever forks:
+// multiprocessing, os.fork, the forkserver). Every name created by a member carries the
+// session's 32-bit tag as the first 8 of its 16 hex digits. A member that exits normally
+// leaves the table; the one that then finds no live member (usually the root, after joining
+// its children) unlinks every name of the session whose creator and holders are all dead,
+// whatever is in flight, and then the member table. Since every process that could hold a
+// handle to such a name is a member and dead, nothing can redeem it any more. The one way
+// around that is a handle handed outside the run (a ForkingPickler pickle written to a file
+// or a socket that an unrelated program, with its own session, reads later): such a handle
+// must be redeemed before its run has ended, as with torch's file_system strategy before
+// its creator unlinks the name.
+// Limits: a member that finds the table full (128 processes alive at once) is counted in
+// `untracked`, and a session with an untracked member is never swept (a leak, never an early
+// unlink); two last members exiting at the same instant may each see the other alive and
+// both leave the sweep undone, and a run whose last member is SIGKILLed sweeps nothing:
+// `python -m torch_mp_ext cleanup` then finds the session's table with no live member and
+// sweeps it (reap_dead_sessions). The forkserver's
+// server leaves the table at start (it never holds handles); its children join at fork.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torch_mp_ext {
+
+/// Joins session `tag` whose root is `root` (as its root when `create`: makes the member
+/// table). False if the table cannot be opened or made (the session is over, or /dev/shm is
+/// unusable): this process then belongs to no session and its names carry no tag.
+bool session_join(uint64_t tag, int root, bool create);
+
+/// This process stops being a member but keeps the table, so that its fork children join.
+void session_leave();
+
+/// Fork child: joins as a member of its own (from the atfork child handler).
+void session_atfork_child();
+
+/// The 32-bit tag new names carry; 0 outside any session.
+uint32_t session_name_tag();
+
+/// At normal exit: leaves; if no member lives any more, unlinks the session's names that no
+/// live process holds, whatever is in flight, then the member table. Returns the names
+/// removed (the member table not included).
+std::vector<std::string> session_end();
+
+/// Sessions whose members are all dead but whose table is still there (the last member was
+/// SIGKILLed, or exited with os._exit): unlinks (or lists, with `dry_run`) their names that no
+/// live process holds, whatever is in flight, and their tables. Returns the names.
+std::vector<std::string> reap_dead_sessions(bool dry_run);
+
+}  // namespace torch_mp_ext
