@@ -47,17 +47,20 @@ class Unmapper {
 
  private:
   Unmapper() {
-    ::pthread_atfork([] { instance().mu_.lock(); }, [] { instance().mu_.unlock(); },
-                     [] { instance().after_fork_in_child(); });
+    // No prepare handler: holding mu_ across fork() would order it before the registry's
+    // mutex (handlers run in reverse order of registration), while a thread holding that
+    // mutex may be unmapping into this queue. The child rebuilds everything instead.
+    ::pthread_atfork(nullptr, nullptr, [] { instance().after_fork_in_child(); });
   }
 
   void after_fork_in_child() {
     // The parent's ranges were MADV_DONTFORK: none of them exists here. Forget them, and
-    // the thread (it was not forked); the locks may have been held by it: make new ones.
+    // the thread (it was not forked). Another parent thread may have held the lock or been
+    // changing the list at fork time: make new ones, leaking the old list's buffer.
     new (&mu_) std::mutex();
     new (&cv_) std::condition_variable();
     new (&idle_) std::condition_variable();
-    pending_.clear();
+    new (&pending_) std::vector<std::pair<void*, size_t>>();
     busy_bytes_ = 0;
     started_ = false;
   }
