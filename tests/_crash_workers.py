@@ -23,17 +23,35 @@ def hold_queue_twice_then_sleep(q, ready):
 
 
 def tagged(i):
-    """Item i of a stream that mixes tensors and arrays, each filled with i."""
+    """Item i of a stream that mixes tensors and arrays, each filled with i: in tuples
+    (pickled), or bare (a lean record: Note [Lean tensor records]) every other time."""
+    if i % 4 == 1:
+        return torch.full((64,), float(i))
+    if i % 4 == 3:
+        import torch_mp_ext as mp
+
+        arr = mp.empty_array((16384,))
+        arr.fill(float(i))
+        return arr
     if i % 2:
         return ("tensor", i, torch.full((64,), float(i)))
     return ("array", i, np.full((16384,), float(i)))
+
+
+def unpack(item):
+    """(kind, i, data) of a tagged item, bare or in its tuple."""
+    if isinstance(item, torch.Tensor):
+        return "tensor", int(item[0]), item
+    if isinstance(item, np.ndarray):
+        return "array", int(item[0]), item
+    return item
 
 
 def wrong(items, start=0):
     """How many of `items` are not tagged(start), tagged(start + 1), ... exactly."""
     bad = 0
     for k, item in enumerate(items):
-        kind, i, x = item
+        kind, i, x = unpack(item)
         want = torch.Tensor if kind == "tensor" else np.ndarray
         ok = (i == start + k and isinstance(x, want) and x.shape[0] in (64, 16384)
               and bool((x == float(i)).all()))

@@ -83,7 +83,7 @@ class Harness:
     def check_items(self, items, start=0, gaps=False) -> None:
         """Items must be tagged items in increasing order (a gap only where `gaps`)."""
         last = start - 1
-        for kind, i, x in items:
+        for kind, i, x in map(cw.unpack, items):
             if cw.wrong([(kind, i, x)], i) or i <= last or (not gaps and i != last + 1):
                 self.wrong += 1
             last = i
