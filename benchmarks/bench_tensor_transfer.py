@@ -66,7 +66,8 @@ def write_json(args: argparse.Namespace, results: handoff.Results) -> None:
     for v in results.variants:
         for n in results.sizes:
             samples = results.seconds[(v.label, n)]
-            rows.append({"series": v.label, "library": v.lib, "variant": v.variant,
+            rows.append({"series": v.label, "floor": v is handoff.FLOOR, "library": v.lib,
+                         "variant": v.variant,
                          "strategy": v.strategy, "nbytes": n,
                          "median_s": results.median(v.label, n), "samples_s": samples})
     bench_json.write(args.json, "bench_tensor_transfer", rows,
