@@ -96,10 +96,19 @@ class Harness:
         self.wrong += cw.wrong(got, 0)
         q.close()
 
+    def maybe_watch(self, q) -> None:
+        """Half the SimpleQueues are watched from the start (as Pool and ProcessPoolExecutor
+        do), so the victim runs the doorbell protocol and its crash points (Note [Doorbell]);
+        the rest keep it off until the survivor's wait() arms it."""
+        if self.rng.random() < 0.5:
+            q._reader.fileno()
+
     # -- scenarios -------------------------------------------------------------------------
     def queue_producer(self) -> None:
         cls = self.rng.choice(["Queue", "SimpleQueue", "JoinableQueue"])
         q = getattr(CTX, cls)()
+        if cls == "SimpleQueue":
+            self.maybe_watch(q)
         points = PUT_POINTS + ([-qc.CRASH_RING_NO_BYTE] if cls == "SimpleQueue" else [])
         point, delay = self.kill_mode(points)
         self.run_victim(cw.produce_tagged, (q, N, point), delay)
@@ -130,6 +139,8 @@ class Harness:
     def queue_consumer(self) -> None:
         cls = self.rng.choice(["Queue", "SimpleQueue", "JoinableQueue"])
         q = getattr(CTX, cls)()
+        if cls == "SimpleQueue":
+            self.maybe_watch(q)
         for i in range(N):
             q.put(cw.tagged(i))
         points = GET_POINTS + ([-qc.CRASH_GET_DRAINED] if cls == "SimpleQueue" else [])
