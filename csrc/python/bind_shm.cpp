@@ -227,7 +227,9 @@ survivors do, and report any a dead process still holds.)pbdoc");
       R"pbdoc((field, offset, size) of a segment's shared header; "slots" gives the slot table's
       offset and one slot's size (fuzz tests only).)pbdoc");
   m.def("empty_cache",
-        [] { return guarded("emptied its cache", [] { return Arena::instance().empty_cache(); }); },
+        [] {
+          return guarded("emptied its cache", [] { return Arena::instance().empty_cache(); });
+        },
         R"pbdoc(Retires every owned segment with no live block; returns bytes released.)pbdoc");
   m.def("class_size", &Arena::class_size, py::arg("nbytes"));
   m.def("sigbus_pages_lost", &sigbus_pages_lost,

@@ -209,8 +209,9 @@ void Ring::check_state() {
 /// a mutex whose lock word names a thread that will never unlock it (Note [Mutex bytes from a
 /// peer]), and a timed one should not take its whole timeout to find out. The uncontended
 /// path is the same single try_lock as before; only a caller that finds the mutex taken waits,
-/// in slices of LOCK_JUDGE_S (10 ms: far longer than any critical section), and between slices judges the owner the lock word named for the
-/// whole slice (judge_owner, a /proc read):
+/// in slices of LOCK_JUDGE_S (10 ms: far longer than any critical section), and between
+/// slices judges the owner the lock word named for the whole slice (judge_owner, a /proc
+/// read):
 /// - Garbage: no thread at all (a word with only FUTEX_WAITERS set, which glibc never leaves);
 ///   this very thread (it is waiting, so it does not hold it); a thread that does not
 ///   exist (a real owner that exits has its robust mutexes marked owner-died by the kernel
