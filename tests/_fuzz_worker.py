@@ -13,8 +13,10 @@ Case kinds (see test_fuzz.py for how they are generated):
 - ``owned``: garbage written into the header of a segment this process owns (its free stack,
   counts, holder table), then allocations and frees.
 - ``handle``: a forged handle tuple with no segment behind it, rebuilt as a tensor or array.
-- ``ring``: garbage written into a live queue's ring (never its pthread mutex: Note [What the
-  fuzzer leaves alone] in test_fuzz.py), then the queue is reopened from a pickle and used.
+- ``ring``: garbage written into a live queue's ring, its robust mutex, conditions, doorbell
+  word and holder table included (Note [What the fuzzer leaves alone] in test_fuzz.py), then
+  the queue is reopened from a pickle and used; ``self_owner`` makes the mutex's owner this
+  very thread or a live process that does not hold the queue.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import queue
 import random
 import signal
 import struct
+import subprocess
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -35,6 +39,7 @@ import torch
 
 import torch_mp_ext
 from torch_mp_ext import _C, reductions
+from torch_mp_ext.queues import ring_queue
 
 SEG_FIELDS = {name: (offset, size) for name, offset, size in _C.segment_layout()}
 RING_FIELDS = {name: (offset, size) for name, offset, size in _C.Ring.layout()}
@@ -170,25 +175,40 @@ def run_owned(case: dict) -> None:
 # ---- queues ---------------------------------------------------------------------------------
 
 
+BYSTANDER: list = []  # a live process that holds no queue: an owner that is not a holder
+
+
+def owner_tid(kind: str) -> int:
+    if kind == "thread":
+        return threading.get_native_id()
+    if not BYSTANDER:
+        script = ("import os, time\nparent = os.getppid()\n"  # ends with this worker
+                  "while os.getppid() == parent:\n    time.sleep(0.2)\n")
+        BYSTANDER.append(subprocess.Popen([sys.executable, "-c", script],
+                                          stdin=subprocess.DEVNULL))
+    return BYSTANDER[0].pid
+
+
 def run_ring(case: dict) -> None:
     cls = getattr(torch_mp_ext, case["cls"])
-    q = cls(maxsize=case["maxsize"], max_bytes=case["max_bytes"])
+    simple = case["cls"] == "SimpleQueue"
+    q = cls(max_bytes=case["max_bytes"]) if simple else cls(maxsize=case["maxsize"],
+                                                            max_bytes=case["max_bytes"])
     others: list = []
     try:
         for item in case["items"]:
             try:
-                q.put(item, timeout=0.01)
+                ring_queue._RingQueue.put(q, item, timeout=0.01)
             except queue.Full:
                 break
         buf = memoryview(q._ring.block).cast("B")
-        mutex_lo = RING_FIELDS["mutex"][0]
-        mutex_hi = mutex_lo + RING_FIELDS["mutex"][1]
         for offset, raw in case["writes"]:
             offset %= len(buf)
             raw = raw[: len(buf) - offset]
-            if offset < mutex_hi and offset + len(raw) > mutex_lo:
-                continue  # Note [What the fuzzer leaves alone]
             buf[offset:offset + len(raw)] = raw
+        if case.get("self_owner"):
+            at = RING_FIELDS["mutex"][0]
+            buf[at:at + 4] = struct.pack("<I", owner_tid(case["self_owner"]))
         del buf
         targets = [q]
         if case["reopen"]:
@@ -196,7 +216,7 @@ def run_ring(case: dict) -> None:
             targets = others + [q]
         for target in targets:
             for op in case["ops"]:
-                call_queue(target, op)
+                call_queue(target, op, simple)
     finally:
         for target in others + [q]:
             try:
@@ -206,14 +226,23 @@ def run_ring(case: dict) -> None:
         del others, q
 
 
-def call_queue(q: Any, op: str) -> None:
+def call_queue(q: Any, op: str, simple: bool) -> None:
     try:
         if op == "get":
-            q.get(timeout=0.005)
+            if simple:  # SimpleQueue.get() waits for ever: only when an item is there
+                if q._ring.qsize() > 0:
+                    q.get()
+            else:
+                q.get(timeout=0.005)
         elif op == "get_nowait":
-            q.get_nowait()
+            if simple:
+                q._reader.poll(0)
+            else:
+                q.get_nowait()
         elif op == "put":
-            q.put(b"x" * 8, timeout=0.005)
+            ring_queue._RingQueue.put(q, b"x" * 8, timeout=0.005)
+            if simple:
+                q._after_put()
         elif op == "put_many":
             q.put_many([1, 2, 3], timeout=0.005)
         elif op == "get_many":
@@ -226,6 +255,11 @@ def call_queue(q: Any, op: str) -> None:
             q.task_done()
         elif op == "join" and hasattr(q, "task_done"):
             q.join(timeout=0.005)
+        elif op == "doorbell" and simple:
+            q._reader.fileno()
+            q._after_get()
+        elif op == "close":
+            q.close()
     except (queue.Empty, queue.Full):
         pass
 
@@ -291,6 +325,9 @@ def main() -> None:
     while True:
         head = stdin.read(4)
         if len(head) < 4:
+            for proc in BYSTANDER:
+                proc.kill()
+                proc.wait()
             return
         case = pickle.loads(stdin.read(struct.unpack("<I", head)[0]))
         try:

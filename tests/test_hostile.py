@@ -473,3 +473,233 @@ def test_a_forged_array_queue_layout_is_refused():
     with pytest.raises(ValueError, match="maxsize"):
         torch_mp_ext.ArrayQueue(np.zeros(4), maxsize=array_queue.MAX_ARRAYS + 1)
     del good, aq
+
+
+# ---- the robust mutex's bytes (Note [Mutex bytes from a peer], Note [A lock nobody holds]) ---
+
+_MUTEX = """
+import struct, sys, time, torch_mp_ext as mp
+from torch_mp_ext import _C
+from torch_mp_ext.errors import CorruptSegmentError, PeerDiedError
+at = dict((n, o) for n, o, _ in _C.Ring.layout())["mutex"]
+word, value = int(sys.argv[1]), int(sys.argv[2])
+q = mp.Queue()
+q.put(1)
+buf = memoryview(q._ring.block).cast("B")
+buf[at + 4 * word:at + 4 * word + 4] = struct.pack("<I", value)
+start = time.monotonic()
+for call in (q.get, lambda: q.put(2), q.qsize, q.close):  # untimed: timeout=None
+    try:
+        call()
+        raise SystemExit(f"{call} returned")
+    except (CorruptSegmentError, PeerDiedError) as exc:
+        assert "corrupt" in str(exc) or "inconsistent" in str(exc), str(exc)
+assert time.monotonic() - start < 5, time.monotonic() - start
+print("raised")
+"""
+
+
+@pytest.mark.parametrize(("word", "value"), [
+    (4, 0), (4, 1), (4, 32 | 128), (4, 0xFFFFFFFF),  # type: normal, recursive, PI, garbage
+    (0, 0x3FFFFFF0),  # an owner thread that cannot exist
+    (0, 0x80000000 | 0x3FFFFFF0),  # ... with the waiters bit
+    (0, -1),  # this very thread (filled in below)
+    (0, 1),  # a live process (init) that holds no queue
+])
+def test_garbage_in_the_queue_mutex_raises_instead_of_waiting_for_ever(word, value):
+    """Every untimed call (get, put, qsize, close) answers within seconds."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TORCH_MP_EXT_EXIT_LINGER_S="0")
+    script = _MUTEX if value != -1 else _MUTEX.replace(
+        "value = int(sys.argv[1]), int(sys.argv[2])",
+        "value = int(sys.argv[1]), __import__('threading').get_native_id()")
+    done = subprocess.run([sys.executable, "-c", script, str(word), str(value)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "raised" in done.stdout, done.stderr[-3000:]
+
+
+# ---- a named segment truncated under a live mapping (Note [Truncated under us]) -------------
+
+_TRUNCATED = """
+import os, pickle, subprocess, sys
+import torch
+import torch_mp_ext as mp
+from torch_mp_ext import _C, reductions
+from torch_mp_ext.errors import CorruptSegmentError
+
+mp.set_sharing_strategy("file_system")
+size = int(sys.argv[1])
+t = mp.empty(300000, dtype=torch.uint8)
+t.fill_(1)
+keep = mp.empty(1000, dtype=torch.uint8)  # a pooled block, in another segment
+handle = reductions._share(t.untyped_storage())[0]  # one reference in flight
+path = "/dev/shm" + handle[7]
+print(path, flush=True)
+# Another process shrinks the file while this one maps it.
+subprocess.run([sys.executable, "-c", f"import os; os.truncate({path!r}, {size})"], check=True)
+assert os.stat(path).st_size == size
+outcomes = []
+
+def expect(what, call, must_raise):
+    try:
+        call()
+        outcomes.append((what, "ok"))
+        assert not must_raise, f"{what}: no error"
+    except CorruptSegmentError as exc:
+        assert "truncated" in str(exc) and "file_descriptor" in str(exc), str(exc)
+        outcomes.append((what, "raised"))
+
+q = mp.Queue()
+expect("put", lambda: q.put(t), must_raise=size < 4096)
+# A process that maps it now is refused at attach: fstat says it shrank.
+rebuild = pickle.dumps((reductions.rebuild_cpu_tensor,
+                        (handle, 0, 300000, torch.uint8, (300000,), (1,), 0, False, None)))
+code = ("import pickle, sys\\nfrom torch_mp_ext.errors import CorruptSegmentError\\n"
+        "f, a = pickle.loads(sys.stdin.buffer.read())\\n"
+        "try:\\n    f(*a)\\nexcept CorruptSegmentError as e:\\n"
+        "    assert 'truncated' in str(e) or 'bytes but its handle says' in str(e), str(e)\\n"
+        "    print('refused')\\n")
+fresh = subprocess.run([sys.executable, "-c", code], input=rebuild, capture_output=True,
+                       env=dict(os.environ, TORCH_MP_EXT_EXIT_LINGER_S="0"), timeout=120)
+assert fresh.returncode == 0 and b"refused" in fresh.stdout, fresh.stderr[-2000:]
+expect("empty_cache", mp.empty_cache, must_raise=False)
+expect("release_handle", lambda: _C.release_handle(handle), must_raise=False)
+del t  # the block's refcount lives in a page that is gone: no SIGBUS either
+expect("reclaim", _C.reclaim_dead_holders, must_raise=False)
+expect("reap", lambda: _C.reap_dead_segments(), must_raise=False)
+if outcomes[0][1] == "ok":  # t's handle is queued: mapping it again is refused (or it was
+    expect("get", lambda: q.get(timeout=30), must_raise=False)  # still mapped: not read)
+q.put(keep)  # the other segments still work
+assert q.get(timeout=30).sum() == keep.sum()
+q.close()
+print("survived", outcomes, _C.sigbus_pages_lost())
+"""
+
+
+@pytest.mark.parametrize("size", [0, 100, 8192])
+def test_a_named_segment_truncated_by_a_peer_raises_instead_of_sigbus(size):
+    """size 0: every page is gone (the header's accesses fault: a zero page and an error);
+    100: the header page stays but is zeroed past byte 100; 8192: the header and slot table
+    stay, the data goes. In every case the process lives and its API raises or works."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TORCH_MP_EXT_EXIT_LINGER_S="0")
+    done = subprocess.run([sys.executable, "-c", _TRUNCATED, str(size)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    path = done.stdout.split("\n", 1)[0]
+    if path.startswith("/dev/shm/torch_"):
+        pathlib.Path(path).unlink(missing_ok=True)  # its flags were truncated away with it
+    assert done.returncode == 0 and "survived" in done.stdout, (done.returncode,
+                                                                 done.stderr[-3000:])
+    if size < 4096:
+        assert "('put', 'raised')" in done.stdout, done.stdout
+
+
+# ---- a sender exactly at its fd limit (Note [A server at its fd limit]) ----------------------
+
+
+def _sender_at_fd_limit(q, go_on, done):
+    import resource
+
+    torch_mp_ext.set_sharing_strategy("file_descriptor")
+    warm = torch_mp_ext.empty(10)
+    warm.share_memory_()
+    _C.fd_server_address()  # the server runs before the limit is lowered
+    t = torch_mp_ext.empty(300000, dtype=torch.uint8)  # its own segment: one fd kept
+    top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    limit = top + 8
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(
+        resource.RLIMIT_NOFILE)[1]))
+    fill = []
+    try:
+        while True:
+            fill.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass  # EMFILE: every fd below the limit is open
+    q.put(limit)
+    q.put(t)
+    go_on.wait(60)
+    for fd in fill:
+        os.close(fd)
+    q.put(t)  # below the limit again: it is received
+    done.wait(60)
+
+
+def test_a_sender_at_its_fd_limit_names_the_limit():
+    import multiprocessing
+
+    q = torch_mp_ext.Queue()
+    ctx = multiprocessing.get_context("fork")
+    go_on, done = ctx.Event(), ctx.Event()
+    sender = ctx.Process(target=_sender_at_fd_limit, args=(q, go_on, done))
+    sender.start()
+    try:
+        limit = q.get(timeout=60)
+        with pytest.raises(OSError) as info:
+            q.get(timeout=60)
+        message = str(info.value)
+        assert f"RLIMIT_NOFILE={limit}" in message, message
+        assert "ulimit -n" in message and "file_system" in message, message
+        assert "did not answer" not in message, message
+        go_on.set()
+        assert q.get(timeout=60).shape == (300000,)  # and it recovers
+    finally:
+        go_on.set()
+        done.set()
+        sender.join(60)
+        if sender.is_alive():
+            sender.kill()
+            sender.join(30)
+    q.close()
+
+
+# ---- vm.max_map_count exhausted --------------------------------------------------------------
+
+_MAP_COUNT = """
+import ctypes, mmap, os, torch, torch_mp_ext as mp
+limit = int(open("/proc/sys/vm/max_map_count").read())
+if limit > 300000:
+    print("skip: vm.max_map_count is", limit)
+    raise SystemExit(0)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+warm = mp.empty(300000, dtype=torch.uint8)  # the allocator's own structures exist already
+del warm
+mp.empty_cache()  # and its segment is gone: the next one needs a new mapping
+fd = os.memfd_create("maps")
+os.ftruncate(fd, mmap.PAGESIZE)
+maps = []
+while True:  # one page of one file at offset 0, again and again: each is its own mapping
+    p = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if p in (None, ctypes.c_void_p(-1).value):
+        break
+    maps.append(p)
+try:
+    mp.empty(300000, dtype=torch.uint8)
+    raise SystemExit("no error with every mapping used")
+except OSError as exc:
+    message = str(exc)
+    assert isinstance(exc, mp.errors.SharedMemoryError), repr(exc)
+    assert "vm.max_map_count" in message and f"{limit}" in message, message
+    assert "sysctl -w vm.max_map_count=" in message, message
+for p in maps:
+    libc.munmap(p, mmap.PAGESIZE)
+t = mp.empty(300000, dtype=torch.uint8)  # recovered
+t.fill_(1)
+print("recovered", len(maps))
+"""
+
+
+def test_an_exhausted_map_count_names_vm_max_map_count():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TORCH_MP_EXT_EXIT_LINGER_S="0")
+    done = subprocess.run([sys.executable, "-c", _MAP_COUNT], env=env, capture_output=True,
+                          text=True, timeout=60)
+    if done.stdout.startswith("skip"):
+        pytest.skip(done.stdout)
+    assert done.returncode == 0 and "recovered" in done.stdout, done.stderr[-3000:]

@@ -1,5 +1,6 @@
 #include "ipc/fd_server.h"
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
@@ -49,6 +50,32 @@ void set_io_timeout(int fd, double seconds) {
   ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
+/// Takes the spare fd back after it was used (Note [A server at its fd limit]); while the
+/// process stays at its limit it cannot, and the server backs off a little.
+void guard_spare(UniqueFd* spare) {
+  spare->reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!spare->valid()) ::usleep(10000);
+}
+
+/// The soft RLIMIT_NOFILE of process `pid` ("Max open files" in /proc/<pid>/limits), as text;
+/// "its limit" when it cannot be read.
+std::string fd_limit_of(pid_t pid) {
+  char path[48];
+  std::snprintf(path, sizeof(path), "/proc/%d/limits", static_cast<int>(pid));
+  UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
+  char buf[4096];
+  ssize_t n = fd.valid() ? ::read(fd.get(), buf, sizeof(buf) - 1) : -1;
+  if (n <= 0) return "its limit";
+  buf[n] = '\0';
+  const char* at = std::strstr(buf, "Max open files");
+  if (at == nullptr) return "its limit";
+  at += std::strlen("Max open files");
+  while (*at == ' ') ++at;
+  const char* end = at;
+  while (*end != ' ' && *end != '\0' && *end != '\n') ++end;
+  return "RLIMIT_NOFILE=" + std::string(at, end);
+}
+
 }  // namespace
 
 FdServer& FdServer::instance() {
@@ -62,13 +89,26 @@ std::string FdServer::address() {
   char name[64];
   std::snprintf(name, sizeof(name), "@tmx-%d-%016" PRIx64, static_cast<int>(self_pid()),
                 random_u64());
-  UniqueFd fd(TMX_SYSCHECK(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), "socket",
-                           "fd server"));
+  int raw_listen = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (raw_listen < 0) {
+    int err = errno;
+    throw SyscallError(err, "socket", "fd server",
+                       err == EMFILE || err == ENFILE
+                           ? detail::str_cat("this process is at its open-file limit "
+                                             "(RLIMIT_NOFILE=", fd_limit(), ") and cannot "
+                                             "start the server that passes its segments' fds: "
+                                             "raise the limit (ulimit -n), free tensors, or "
+                                             "use set_sharing_strategy('file_system')")
+                           : "");
+  }
+  UniqueFd fd(raw_listen);
   sockaddr_un addr;
   socklen_t len = make_address(name, &addr);
   TMX_SYSCHECK(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), len), "bind", name);
   TMX_SYSCHECK(::listen(fd.get(), 128), "listen", name);
   int raw = fd.get();
+  // Opened here, not in the thread: the caller sees every fd the server will hold.
+  spare_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   std::thread([this, raw] { serve(raw); }).detach();
   listen_fd_ = std::move(fd);
   address_ = name;
@@ -83,13 +123,33 @@ int FdServer::listen_fd() {
 void FdServer::atfork_child() {
   // mu_ was locked by atfork_prepare() in the thread that forked, which is this thread now.
   listen_fd_.reset();
+  spare_.reset();
   address_.clear();
   mu_.unlock();
 }
 
 void FdServer::serve(int listen_fd) {
+  // Note [A server at its fd limit]: a receiver must hear that this process cannot open one
+  // more fd, not time out waiting for an accept() that keeps failing with EMFILE. So the
+  // server keeps one spare fd; at the limit it gives the spare up for the connection and
+  // answers it (the dup of the segment's fd then fails with EMFILE, which the receiver turns
+  // into an error naming this process's RLIMIT_NOFILE and the fix), then takes it back.
+  UniqueFd& spare = spare_;  // only this thread touches it once the server runs
   for (;;) {
     int conn = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (conn < 0 && (errno == EMFILE || errno == ENFILE) && spare.valid()) {
+      spare.reset();
+      conn = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (conn >= 0) {
+        UniqueFd guard(conn);
+        try {
+          answer(conn);
+        } catch (...) {
+        }
+      }
+      guard_spare(&spare);
+      continue;
+    }
     if (conn < 0) {
       if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE ||
           errno == ENOBUFS || errno == ENOMEM) {
@@ -146,8 +206,9 @@ UniqueFd fetch_fd(const std::string& address, uint64_t segment_id, uint64_t secr
                        err == EMFILE || err == ENFILE
                            ? detail::str_cat("this process is at its open-file limit "
                                              "(RLIMIT_NOFILE=", fd_limit(), ") and cannot "
-                                             "receive the segment: free tensors or raise the "
-                                             "limit (ulimit -n)")
+                                             "receive the segment: free tensors, raise the "
+                                             "limit (ulimit -n) or use "
+                                             "set_sharing_strategy('file_system')")
                            : "");
   }
   UniqueFd sock(raw_sock);
@@ -211,9 +272,13 @@ UniqueFd fetch_fd(const std::string& address, uint64_t segment_id, uint64_t secr
     std::string hint = "the owner refused or answered malformed data";
     if (err == ENOENT) hint = "the owner no longer has this segment (it was freed)";
     if (err == EMFILE || err == ENFILE) {
-      hint = detail::str_cat("the sending process (pid ", owner_pid, ") is at its open-file "
-                             "limit and could not pass the segment: raise its limit "
-                             "(ulimit -n) or have it free tensors it no longer needs");
+      std::string limit = fd_limit_of(owner_pid);
+      hint = detail::str_cat(
+          "the sending process (pid ", owner_pid, ") is at its open-file limit (", limit,
+          err == ENFILE ? "; the system-wide limit fs.file-max is reached" : "",
+          ") and could not pass the segment: raise the sender's limit (ulimit -n, or "
+          "resource.setrlimit(resource.RLIMIT_NOFILE, ...) in it), have it free tensors it no "
+          "longer needs, or use set_sharing_strategy('file_system'), which passes no fds");
     }
     throw SyscallError(err, "fetch_fd", resource, hint);
   }

@@ -43,6 +43,7 @@ class FdServer {
   std::mutex mu_;
   std::string address_;
   UniqueFd listen_fd_;
+  UniqueFd spare_;  ///< Note [A server at its fd limit] (fd_server.cpp)
 };
 
 /// Asks the server at `address` (owner `owner_pid`) for segment `segment_id`'s fd.

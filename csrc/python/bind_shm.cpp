@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include <cstddef>
+#include <type_traits>
 
 #include "python/bindings.h"
 #include "shm/arena.h"
@@ -9,6 +10,7 @@
 #include "shm/record.h"
 #include "shm/registry.h"
 #include "shm/session.h"
+#include "shm/sigbus.h"
 
 namespace py = pybind11;
 
@@ -72,6 +74,22 @@ py::tuple to_py_tuple(const std::vector<int64_t>& v) {
   return out;
 }
 
+/// Runs `f` with this thread armed against a shared-memory file truncated under it: a lost
+/// page is a CorruptSegmentError saying the thread `what`, not a SIGBUS
+/// (Note [Truncated under us]).
+template <typename F>
+auto guarded(const char* what, F&& f) -> decltype(f()) {
+  SigbusGuard guard;
+  if constexpr (std::is_void_v<decltype(f())>) {
+    f();
+    guard.check(what);
+  } else {
+    auto out = f();
+    guard.check(what);
+    return out;
+  }
+}
+
 }  // namespace
 
 void init_records(py::module_& m) {
@@ -83,9 +101,10 @@ void init_records(py::module_& m) {
          uint8_t flags) -> py::object {
         Record r;
         size_t offset = 0;
-        if (!Registry::instance().share_address(address, nbytes, &r.handle, &offset)) {
-          return py::none();
-        }
+        bool found = guarded("shared a tensor", [&] {
+          return Registry::instance().share_address(address, nbytes, &r.handle, &offset);
+        });
+        if (!found) return py::none();
         r.kind = kind;
         r.flags = flags;
         r.dtype = dtype;
@@ -98,7 +117,8 @@ void init_records(py::module_& m) {
         try {
           bytes = encode_record(r);
         } catch (...) {
-          Registry::instance().release_handle(r.handle, 60.0);
+          guarded("released a handle",
+                  [&] { Registry::instance().release_handle(r.handle, 60.0); });
           throw;
         }
         return py::make_tuple(py::bytes(bytes), record_key(r));
@@ -123,7 +143,8 @@ owner_pid) of a record; CorruptSegmentError if it is malformed.)pbdoc");
       [](const py::bytes& data, double timeout) {
         Record r = record_of(data);
         py::gil_scoped_release nogil;
-        return Registry::instance().attach(r.handle, timeout);
+        return guarded("attached a block",
+                       [&] { return Registry::instance().attach(r.handle, timeout); });
       },
       py::arg("data"), py::arg("timeout") = 60.0,
       R"pbdoc(The Block of a record, taking over the reference it carried.)pbdoc");
@@ -132,7 +153,8 @@ owner_pid) of a record; CorruptSegmentError if it is malformed.)pbdoc");
       [](const py::bytes& data, double timeout) {
         Record r = record_of(data);
         py::gil_scoped_release nogil;
-        Registry::instance().release_handle(r.handle, timeout);
+        guarded("released a handle",
+                [&] { Registry::instance().release_handle(r.handle, timeout); });
       },
       py::arg("data"), py::arg("timeout") = 60.0,
       R"pbdoc(Drops the reference a record carries.)pbdoc");
@@ -152,7 +174,11 @@ void init_shm(py::module_& m) {
                              [](const BlockRef& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_property_readonly("capacity", &BlockRef::capacity)
       .def_property_readonly("index", &BlockRef::index)
-      .def_property_readonly("generation", &BlockRef::generation)
+      .def_property_readonly("generation",
+                             [](const BlockRef& b) {
+                               return guarded("read a block's generation",
+                                              [&] { return b.generation(); });
+                             })
       .def_property_readonly("segment_id", [](const BlockRef& b) { return b.mapping()->id(); })
       .def_property_readonly(
           "segment_address",
@@ -166,16 +192,22 @@ void init_shm(py::module_& m) {
                              })
       .def_property_readonly("refcount",
                              [](const BlockRef& b) {
-                               return b.mapping()->slots()[b.index()].refcount.load();
+                               return guarded("read a block's refcount", [&] {
+                                 return b.mapping()->slots()[b.index()].refcount.load();
+                               });
                              })
-      .def("share", [](const BlockRef& b) { return to_tuple(b.share()); },
+      .def("share",
+           [](const BlockRef& b) {
+             return to_tuple(guarded("shared a block", [&] { return b.share(); }));
+           },
            R"pbdoc(A handle tuple carrying one new reference (for a message in flight).)pbdoc");
 
   m.def(
       "allocate",
       [](size_t nbytes, bool named) {
         py::gil_scoped_release nogil;
-        return Arena::instance().allocate(nbytes, named);
+        return guarded("allocated a block",
+                       [&] { return Arena::instance().allocate(nbytes, named); });
       },
       py::arg("nbytes"), py::arg("named") = false,
       R"pbdoc(A new block of at least `nbytes` bytes: anonymous and pooled, or named.)pbdoc");
@@ -183,7 +215,9 @@ void init_shm(py::module_& m) {
       "allocate_sparse",
       [](size_t nbytes, size_t reserved, bool named) {
         py::gil_scoped_release nogil;
-        return Arena::instance().allocate_sparse(nbytes, reserved, named);
+        return guarded("allocated a block", [&] {
+          return Arena::instance().allocate_sparse(nbytes, reserved, named);
+        });
       },
       py::arg("nbytes"), py::arg("reserved"), py::arg("named") = false,
       R"pbdoc(A block of `nbytes` with pages reserved only for its first `reserved` bytes
@@ -193,7 +227,8 @@ void init_shm(py::module_& m) {
       [](const py::tuple& handle, double timeout) {
         Handle h = from_tuple(handle);
         py::gil_scoped_release nogil;
-        return Registry::instance().attach(h, timeout);
+        return guarded("attached a block",
+                       [&] { return Registry::instance().attach(h, timeout); });
       },
       py::arg("handle"), py::arg("timeout") = 60.0,
       R"pbdoc(Rebuilds a handle into a Block, taking over the reference it carried.)pbdoc");
@@ -202,7 +237,7 @@ void init_shm(py::module_& m) {
       [](const py::tuple& handle, double timeout) {
         Handle h = from_tuple(handle);
         py::gil_scoped_release nogil;
-        Registry::instance().release_handle(h, timeout);
+        guarded("released a handle", [&] { Registry::instance().release_handle(h, timeout); });
       },
       py::arg("handle"), py::arg("timeout") = 60.0,
       R"pbdoc(Drops the reference a handle carries without keeping the block.)pbdoc");
@@ -210,7 +245,8 @@ void init_shm(py::module_& m) {
       "reclaim_named_segments",
       [](const std::string& prefix) {
         py::gil_scoped_release nogil;
-        return Registry::instance().reclaim_named(prefix);
+        return guarded("reclaimed named segments",
+                       [&] { return Registry::instance().reclaim_named(prefix); });
       },
       py::arg("prefix") = "torch_",
       R"pbdoc(Note [Reclaiming names at run time]: drops what dead processes held of the
@@ -219,8 +255,10 @@ Returns the names reclaimed.)pbdoc");
   m.def(
       "audit",
       [](bool reclaim) {
-        if (reclaim) Registry::instance().reclaim_dead_holders();
-        return Registry::instance().audit(reclaim);
+        return guarded("audited its segments", [&] {
+          if (reclaim) Registry::instance().reclaim_dead_holders();
+          return Registry::instance().audit(reclaim);
+        });
       },
       py::arg("reclaim") = true,
       R"pbdoc(Private debug audit (Note [Audit]): the violated invariants of every segment
@@ -231,16 +269,20 @@ survivors do, and report any a dead process still holds.)pbdoc");
       [](uintptr_t address, size_t nbytes) -> py::object {
         Handle h;
         size_t offset = 0;
-        if (!Registry::instance().share_address(address, nbytes, &h, &offset)) {
-          return py::none();
-        }
+        bool found = guarded("shared a tensor", [&] {
+          return Registry::instance().share_address(address, nbytes, &h, &offset);
+        });
+        if (!found) return py::none();
         return py::make_tuple(to_tuple(h), offset);
       },
       py::arg("address"), py::arg("nbytes"),
       R"pbdoc((handle, offset) for memory inside a live block of this process, else None.)pbdoc");
   m.def(
       "contains",
-      [](uintptr_t address, size_t nbytes) { return Registry::instance().contains(address, nbytes); },
+      [](uintptr_t address, size_t nbytes) {
+        return guarded("looked a tensor up",
+                       [&] { return Registry::instance().contains(address, nbytes); });
+      },
       py::arg("address"), py::arg("nbytes"),
       R"pbdoc(True if the memory lies inside one live block this process maps.)pbdoc");
   m.def("session_join", &session_join, py::arg("tag"), py::arg("root"), py::arg("create"),
@@ -269,7 +311,11 @@ survivors do, and report any a dead process still holds.)pbdoc");
   m.def("_set_fork_child_delay", &set_fork_child_delay_for_tests, py::arg("milliseconds"),
         R"pbdoc(Test hook: forked children wait this long before marking the blocks they
         inherited (Note [Mappings and fork]).)pbdoc");
-  m.def("reclaim_dead_holders", [] { return Registry::instance().reclaim_dead_holders(); },
+  m.def("reclaim_dead_holders",
+        [] {
+          return guarded("reclaimed dead holders' blocks",
+                         [] { return Registry::instance().reclaim_dead_holders(); });
+        },
         R"pbdoc(Drops dead processes' block references on every mapped segment; returns how
         many (Note [Dead holders]).)pbdoc");
   m.def(
@@ -294,9 +340,15 @@ survivors do, and report any a dead process still holds.)pbdoc");
       },
       R"pbdoc((field, offset, size) of a segment's shared header; "slots" gives the slot table's
       offset and one slot's size (fuzz tests only).)pbdoc");
-  m.def("empty_cache", [] { return Arena::instance().empty_cache(); },
+  m.def("empty_cache",
+        [] {
+          return guarded("emptied its cache", [] { return Arena::instance().empty_cache(); });
+        },
         R"pbdoc(Retires every owned segment with no live block; returns bytes released.)pbdoc");
   m.def("class_size", &Arena::class_size, py::arg("nbytes"));
+  m.def("sigbus_pages_lost", &sigbus_pages_lost,
+        R"pbdoc(Pages of truncated shared-memory files this process replaced with zeros instead
+        of dying by SIGBUS (Note [Truncated under us]; tests).)pbdoc");
   m.def("arena_stats", [] {
     ArenaStats a = Arena::instance().stats();
     RegistryStats r = Registry::instance().stats();
@@ -313,7 +365,8 @@ survivors do, and report any a dead process still holds.)pbdoc");
     d["refcount_underflows"] = r.refcount_underflows;
     return d;
   });
-  m.def("release_all", [] { Registry::instance().release_all(); },
+  m.def("release_all",
+        [] { guarded("released its blocks", [] { Registry::instance().release_all(); }); },
         R"pbdoc(Drops every block reference this process holds (interpreter exit).)pbdoc");
   m.def(
       "set_anonymous_backend",

@@ -1,5 +1,6 @@
 #include "queue/ring.h"
 
+#include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -7,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 
@@ -27,6 +29,18 @@ constexpr int64_t WAIT_SLICE_MS = 200;
 /// How long past its deadline an operation still waits for the mutex itself: holders keep it
 /// for microseconds, so only a stopped holder makes a non-blocking call wait this long.
 constexpr long LOCK_GRACE_MS = 1000;
+/// How long an untimed lock waits before it judges the owner (Note [A lock nobody holds]).
+constexpr double LOCK_JUDGE_S = 0.01;
+/// How long a lock waits on a doubtful owner before it gives up: 2 s, or
+/// TORCH_MP_EXT_LOCK_DOUBT_S (the fuzz tests shorten it: Note [A lock nobody holds]).
+int64_t doubt_ns() {
+  static const int64_t ns = [] {
+    const char* env = std::getenv("TORCH_MP_EXT_LOCK_DOUBT_S");
+    double s = env != nullptr ? std::strtod(env, nullptr) : 2.0;
+    return static_cast<int64_t>((s > 0 && s < 3600 ? s : 2.0) * 1e9);
+  }();
+  return ns;
+}
 
 std::atomic<int> g_crash_point{0};
 
@@ -191,8 +205,31 @@ void Ring::check_state() {
 
 // ---- locking and repair -------------------------------------------------------------------
 
-Ring::Lock Ring::lock(const Deadline& deadline, bool try_only) {
-  auto got = try_only ? h_->mutex.try_lock() : h_->mutex.lock(deadline, LOCK_GRACE_MS);
+/// Note [A lock nobody holds]
+/// An untimed lock (timeout=None, close(), unpickling, task_done()) must not wait for ever on
+/// a mutex whose lock word names a thread that will never unlock it (Note [Mutex bytes from a
+/// peer]), and a timed one should not take its whole timeout to find out. The uncontended
+/// path is the same single try_lock as before; only a caller that finds the mutex taken waits,
+/// in slices of LOCK_JUDGE_S (10 ms: far longer than any critical section), and between
+/// slices judges the owner the lock word named for the whole slice (judge_owner, a /proc
+/// read):
+/// - Garbage: no thread at all (a word with only FUTEX_WAITERS set, which glibc never leaves);
+///   this very thread (it is waiting, so it does not hold it); a thread that does not
+///   exist (a real owner that exits has its robust mutexes marked owner-died by the kernel
+///   before its thread id is freed); a live thread of a process that is not in the ring's
+///   holder table while every holder is registered. Nobody will ever unlock it: the ring is
+///   marked broken and every caller gets CorruptSegmentError.
+/// - Holder: a live holder process (stopped, or just slow): wait, as for any stopped peer.
+/// - Doubtful: the ring has holders in another pid namespace (their thread ids mean nothing
+///   here), the owner is another thread of this process, /proc cannot tell, or a holder may be
+///   unregistered (a pickle in flight, or beyond the table's 128 processes). After 2 s of the
+///   same owner (TORCH_MP_EXT_LOCK_DOUBT_S) a timed wait times out and an untimed one raises
+///   CorruptSegmentError, without marking the ring broken (a peer stopped for that long while
+///   holding the mutex makes only that call fail).
+/// A waiter also stops as soon as another one has marked the ring broken.
+Ring::Lock Ring::lock(const Deadline& deadline, bool try_only, bool untimed) {
+  auto got = h_->mutex.try_lock();
+  if (got == RobustMutex::Acquired::Busy && !try_only) got = lock_slow(deadline, untimed);
   if (got == RobustMutex::Acquired::Busy) return Lock::Busy;
   if (got == RobustMutex::Acquired::TimedOut) return Lock::TimedOut;
   if (got == RobustMutex::Acquired::OwnerDied) repair();
@@ -207,6 +244,68 @@ Ring::Lock Ring::lock(const Deadline& deadline, bool try_only) {
 }
 
 void Ring::unlock() { h_->mutex.unlock(); }
+
+namespace {
+/// The owner this thread has been waiting on, and since when (Note [A lock nobody holds]):
+/// kept across calls, so that a wait made of many short calls (qsize() retrying slices to run
+/// signal handlers) is judged on its whole length.
+thread_local struct {
+  const void* ring;
+  pid_t tid;
+  int64_t since_ns;
+} t_waiting_on{nullptr, 0, 0};
+}  // namespace
+
+RobustMutex::Acquired Ring::lock_slow(const Deadline& deadline, bool untimed) {
+  // The caller's deadline plus the grace (a holder keeps the mutex for microseconds).
+  Deadline until = deadline.infinite()
+                       ? deadline
+                       : Deadline(deadline.remaining_s() + LOCK_GRACE_MS / 1000.0);
+  for (;;) {
+    if (h_->broken.load(std::memory_order_acquire) != 0) {
+      throw PeerDiedError("this queue's shared memory was found inconsistent by another "
+                          "call; no further item can be trusted. Create a new queue");
+    }
+    uint32_t seen = h_->mutex.lock_word();
+    auto got = h_->mutex.lock(until.slice(LOCK_JUDGE_S));
+    if (got != RobustMutex::Acquired::TimedOut) {
+      t_waiting_on.ring = nullptr;
+      return got;
+    }
+    int64_t now = monotonic_ns();
+    auto tid = static_cast<pid_t>(seen & FUTEX_TID_MASK);
+    if (t_waiting_on.ring != h_ || t_waiting_on.tid != tid) t_waiting_on = {h_, tid, now};
+    if ((seen & FUTEX_OWNER_DIED) == 0 && seen != 0 &&
+        owner_hopeless(seen, now - t_waiting_on.since_ns, untimed || deadline.infinite())) {
+      return RobustMutex::Acquired::TimedOut;
+    }
+    if (until.expired()) return got;
+  }
+}
+
+bool Ring::owner_hopeless(uint32_t seen, int64_t waited_ns, bool untimed) {
+  // Waiters (this one too) add FUTEX_WAITERS to the word: the owner is the rest of it.
+  auto same = [&] { return ((h_->mutex.lock_word() ^ seen) & ~uint32_t{FUTEX_WAITERS}) == 0; };
+  if (!same()) return false;
+  auto tid = static_cast<pid_t>(seen & FUTEX_TID_MASK);
+  // Locked with no owner at all: glibc never leaves that, only a peer's garbage does.
+  Owner owner = tid == 0 ? Owner::Garbage : judge_owner(tid);
+  if (owner == Owner::Holder) return false;
+  if (owner == Owner::Doubtful && waited_ns < doubt_ns()) return false;
+  if (!same()) return false;  // it moved while we judged
+  if (owner == Owner::Doubtful && !untimed) return true;  // a timed call: time out now
+  if (owner == Owner::Garbage) h_->broken.store(1, std::memory_order_release);
+  throw CorruptSegmentError(detail::str_cat(
+      "the shared memory of this queue is corrupt: its lock word 0x", std::hex, seen, std::dec,
+      " names thread ", tid, " as its owner, which ",
+      owner == Owner::Doubtful
+          ? "has held it for seconds and cannot be verified (it is in another pid namespace, not "
+            "registered, or a thread of this process)"
+          : tid == 0             ? "does not exist"
+          : tid == ::gettid()    ? "is this very thread, waiting for it"
+                                 : "is not a process holding this queue",
+      "; a process wrote garbage into it, or a holder is stopped. Create a new queue"));
+}
 
 void Ring::repair() {
   h_->recoveries.fetch_add(1, std::memory_order_relaxed);
@@ -418,7 +517,7 @@ void Ring::wake_all() {
 }
 
 std::optional<Ring::Counts> Ring::counts(const Deadline& deadline) {
-  if (lock(deadline, false) != Lock::Ok) return std::nullopt;
+  if (lock(deadline, false, true) != Lock::Ok) return std::nullopt;
   Held held{this};
   return Counts{h_->state.count, h_->state.tail - h_->state.head, h_->state.unfinished};
 }

@@ -318,7 +318,18 @@ class Ring {
  private:
   explicit Ring(RingHeader* header);
   enum class Lock { Ok, Busy, TimedOut };
-  Lock lock(const Deadline& deadline, bool try_only);
+  /// `untimed`: the caller retries slices of `deadline` until it gets the mutex (a read
+  /// that runs signal handlers between slices): judged like an infinite deadline.
+  Lock lock(const Deadline& deadline, bool try_only, bool untimed = false);
+  /// The mutex is taken: waits in slices, judging its owner (Note [A lock nobody holds]).
+  RobustMutex::Acquired lock_slow(const Deadline& deadline, bool untimed);
+  enum class Owner { Holder, Garbage, Doubtful };
+  /// Who thread `tid`, named by the lock word, is (Note [A lock nobody holds]).
+  Owner judge_owner(pid_t tid) const;
+  /// The lock word is still `lock_word`, whose owner this thread has waited on for `waited_ns`:
+  /// CorruptSegmentError if it is garbage, or doubtful for long enough in an `untimed` wait;
+  /// true (give up: time out) if it is doubtful for long enough in a timed one.
+  bool owner_hopeless(uint32_t lock_word, int64_t waited_ns, bool untimed);
   void unlock();
   void repair();
   bool chain_ok() const;

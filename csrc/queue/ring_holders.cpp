@@ -1,4 +1,11 @@
 // Who holds a ring, and reclaiming what dead holders held (Note [Ring holders]).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -92,7 +99,7 @@ void Ring::adopt_shared_holder() {
 std::optional<std::vector<Ring::HolderInfo>> Ring::holder_table(const Deadline& deadline) {
   std::vector<std::pair<uint64_t, uint32_t>> rows;  // (word, refs), read under the mutex
   {
-    if (lock(deadline, false) != Lock::Ok) return std::nullopt;
+    if (lock(deadline, false, true) != Lock::Ok) return std::nullopt;
     Held held{this};
     for (const RingHolder& holder : h_->holders) {
       uint64_t word = holder.key.word();
@@ -108,7 +115,7 @@ std::optional<std::vector<Ring::HolderInfo>> Ring::holder_table(const Deadline& 
 }
 
 std::optional<int64_t> Ring::holders(const Deadline& deadline) {
-  if (lock(deadline, false) != Lock::Ok) return std::nullopt;
+  if (lock(deadline, false, true) != Lock::Ok) return std::nullopt;
   Held held{this};
   int64_t n = h_->inflight.load(std::memory_order_acquire) +
               h_->untracked.load(std::memory_order_acquire);
@@ -116,6 +123,52 @@ std::optional<int64_t> Ring::holders(const Deadline& deadline) {
     if (!holder.key.free()) n += holder.refs;
   }
   return n;
+}
+
+// ---- judging the owner of the mutex (Note [A lock nobody holds]) ----------------------------
+
+namespace {
+
+/// The process (thread group) of thread `tid` in this pid namespace: -1 if no such thread
+/// exists, 0 if it cannot be told.
+pid_t thread_group_of(pid_t tid) {
+  char path[48];
+  std::snprintf(path, sizeof(path), "/proc/%d/status", static_cast<int>(tid));
+  int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT || errno == ESRCH ? -1 : 0;
+  char buf[1024];
+  ssize_t n;
+  do {
+    n = ::read(fd, buf, sizeof(buf) - 1);
+  } while (n < 0 && errno == EINTR);
+  ::close(fd);
+  if (n <= 0) return n < 0 && errno == ESRCH ? -1 : 0;
+  buf[n] = '\0';
+  const char* at = std::strstr(buf, "\nTgid:");
+  return at == nullptr ? 0 : static_cast<pid_t>(std::strtol(at + 6, nullptr, 10));
+}
+
+}  // namespace
+
+Ring::Owner Ring::judge_owner(pid_t tid) const {
+  if (tid == ::gettid()) return Owner::Garbage;  // we are waiting for it: we do not hold it
+  if (h_->pidns != self_pidns()) return Owner::Doubtful;  // its thread ids mean nothing here
+  HolderTable table = holders_of(h_);
+  for (size_t i = 0; i < table.size(); ++i) {
+    if ((table[i].word() & HOLDER_FOREIGN) != 0) return Owner::Doubtful;  // same
+  }
+  pid_t tgid = thread_group_of(tid);
+  if (tgid < 0) return Owner::Garbage;  // gone, yet never marked owner-died
+  if (tgid == 0 || tgid == self_pid()) return Owner::Doubtful;  // unknown; a thread of ours
+  for (size_t i = 0; i < table.size(); ++i) {
+    uint64_t word = table[i].word();
+    if (word != 0 && (word & HOLDER_REAPING) == 0 && key_pid(word) == tgid) return Owner::Holder;
+  }
+  // Not a holder. A queue in flight is locked by its receiver before it registers
+  // (adopt_shared_holder), and holders beyond the table never register.
+  bool unregistered = h_->inflight.load(std::memory_order_acquire) != 0 ||
+                      h_->untracked.load(std::memory_order_acquire) != 0;
+  return unregistered ? Owner::Doubtful : Owner::Garbage;
 }
 
 }  // namespace torch_mp_ext

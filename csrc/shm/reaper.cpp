@@ -14,6 +14,7 @@
 #include "platform/process.h"
 #include "shm/layout.h"
 #include "shm/segment.h"
+#include "shm/sigbus.h"
 
 namespace torch_mp_ext {
 
@@ -68,10 +69,12 @@ bool is_garbage(const std::string& path, const ReapOptions& options) {
   void* p = ::mmap(nullptr, sizeof(SegmentHeader), PROT_READ, MAP_SHARED, fd.get(), 0);
   if (p == MAP_FAILED) return false;
   auto* h = static_cast<SegmentHeader*>(p);
+  SigbusGuard guard;  // truncated since the fstat: not ours to judge (Note [Truncated under us])
   bool garbage = h->magic == SEGMENT_MAGIC && h->layout_version == LAYOUT_VERSION &&
                  holder_word_dead(h->owner_key, h->pidns) &&
                  (options.include_inflight || h->inflight.load() == 0) &&
                  !holders_of(h).any_alive();
+  if (guard.lost()) garbage = false;
   ::munmap(p, sizeof(SegmentHeader));
   return garbage;
 }
@@ -79,6 +82,7 @@ bool is_garbage(const std::string& path, const ReapOptions& options) {
 }  // namespace
 
 std::vector<std::string> reap_dead_segments(const ReapOptions& options) {
+  install_sigbus_handler();
   std::vector<std::string> removed;
   DIR* dir = ::opendir(options.directory.c_str());
   if (dir == nullptr) return removed;

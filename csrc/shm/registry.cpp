@@ -16,6 +16,7 @@
 #include "platform/process.h"
 #include "shm/arena.h"
 #include "shm/session.h"
+#include "shm/sigbus.h"
 
 namespace torch_mp_ext {
 
@@ -83,6 +84,7 @@ BlockRef::~BlockRef() { release(); }
 
 void BlockRef::release() {
   if (!live_) return;
+  SigbusGuard guard;  // a truncated file must not kill a destructor (Note [Truncated under us])
   Registry::instance().on_release(this);
 }
 
@@ -341,7 +343,19 @@ Mapping* Registry::locate_locked(uintptr_t address, size_t nbytes, uint32_t* ind
   *index = static_cast<uint32_t>((address - begin) / m->block_size());
   *offset = address - begin - static_cast<size_t>(*index) * m->block_size();
   if (*offset + nbytes > m->block_size()) return nullptr;  // spans blocks: not one of ours
-  if (m->slots()[*index].refcount.load(std::memory_order_acquire) <= 0) return nullptr;
+  if (m->slots()[*index].refcount.load(std::memory_order_acquire) <= 0) {
+    // This process holds the block, so its count cannot be 0: the slot was zeroed under us
+    // (its file truncated to a few bytes by a peer, or garbage written). Saying "not ours"
+    // would send the caller to copy the tensor's data: a SIGBUS if the file shrank.
+    if (m->local_counts.size() > *index && m->local_counts[*index] > 0) {
+      throw CorruptSegmentError(detail::str_cat(
+          "shared memory segment ", m->describe(), " is corrupt: block ", *index,
+          " has a shared refcount of 0 while this process holds it (was the file truncated "
+          "or overwritten by another process?). Its tensors must not be used; the "
+          "file_descriptor sharing strategy's segments cannot be truncated"));
+    }
+    return nullptr;
+  }
   return m;
 }
 

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 
@@ -18,6 +19,7 @@
 #include "common/check.h"
 #include "platform/process.h"
 #include "shm/session.h"
+#include "shm/sigbus.h"
 #include "shm/unmapper.h"
 
 namespace torch_mp_ext {
@@ -92,12 +94,46 @@ void reserve(int fd, size_t size, size_t upto, const std::string& resource, bool
   throw SyscallError(rc, "posix_fallocate", resource, hint);
 }
 
+/// Memory mappings of this process (lines of /proc/self/maps) and vm.max_map_count; both 0
+/// when unknown. For the ENOMEM message only: it reads /proc.
+void map_count(uint64_t* maps, uint64_t* max_maps) {
+  *maps = 0;
+  *max_maps = 0;
+  char buf[8192];
+  UniqueFd limit(::open("/proc/sys/vm/max_map_count", O_RDONLY | O_CLOEXEC));
+  if (!limit.valid()) return;
+  ssize_t n = ::read(limit.get(), buf, 63);
+  if (n <= 0) return;
+  buf[n] = '\0';
+  uint64_t max = std::strtoull(buf, nullptr, 10);
+  UniqueFd self(::open("/proc/self/maps", O_RDONLY | O_CLOEXEC));
+  if (!self.valid()) return;
+  uint64_t lines = 0;
+  while ((n = ::read(self.get(), buf, sizeof(buf))) != 0) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return;
+    for (ssize_t i = 0; i < n; ++i) lines += buf[i] == '\n';
+  }
+  *maps = lines;
+  *max_maps = max;
+}
+
 char* map_fd(int fd, size_t size, const std::string& resource) {
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     int err = errno;
     std::string hint;
-    if (err == ENOMEM) {
+    uint64_t maps = 0;
+    uint64_t max_maps = 0;
+    if (err == ENOMEM) map_count(&maps, &max_maps);
+    if (err == ENOMEM && max_maps > 0 && maps + 16 >= max_maps) {
+      hint = detail::str_cat(
+          "this process has ", maps, " memory mappings and the kernel allows ", max_maps,
+          " per process (vm.max_map_count): free tensors it no longer needs (unused segments "
+          "are released and the call retried), close mappings it does not need, or raise the "
+          "limit as root: sysctl -w vm.max_map_count=", 4 * max_maps,
+          " (persist it in /etc/sysctl.d/)");
+    } else if (err == ENOMEM) {
       struct rlimit as {};
       ::getrlimit(RLIMIT_AS, &as);
       hint = detail::str_cat(
@@ -261,13 +297,17 @@ size_t checked_fd_size(int fd, const std::string& resource, uint64_t expected_si
   }
   auto size = static_cast<uint64_t>(st.st_size);
   if (size < slots_offset()) {
-    throw CorruptSegmentError(detail::str_cat("shared memory segment ", resource, " is ", size,
-                                              " bytes: truncated (a header needs ",
-                                              slots_offset(), ")"));
+    throw CorruptSegmentError(detail::str_cat(
+        "shared memory segment ", resource, " is ", size, " bytes: truncated (a header needs ",
+        slots_offset(), "; another process shrank the file). The file_descriptor sharing "
+        "strategy's segments cannot be truncated"));
   }
   if (expected_size != 0 && size != expected_size) {
-    throw CorruptSegmentError(detail::str_cat("shared memory segment ", resource, " is ", size,
-                                              " bytes but its handle says ", expected_size));
+    throw CorruptSegmentError(detail::str_cat(
+        "shared memory segment ", resource, " is ", size, " bytes but its handle says ",
+        expected_size, ": the file was truncated or replaced since the handle was made (another "
+        "process changed it). The file_descriptor sharing strategy's segments cannot be "
+        "truncated"));
   }
   return static_cast<size_t>(size);
 }
@@ -389,7 +429,10 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
     if (spec.named) ::shm_unlink(name.c_str());  // roll back: the name must not outlive us
     throw;
   }
-  if (spec.named) fd.reset();  // named segments are reopened by name: no fd to keep
+  if (spec.named) {
+    fd.reset();  // named segments are reopened by name: no fd to keep
+    install_sigbus_handler();  // Note [Truncated under us]
+  }
   SegmentGeometry geometry;
   geometry.id = reinterpret_cast<SegmentHeader*>(base)->segment_id;
   geometry.kind = spec.kind;
@@ -431,17 +474,24 @@ std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t ex
   }
   UniqueFd fd(TMX_SYSCHECK(::shm_open(name.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0600),
                            "shm_open", resource));
+  install_sigbus_handler();  // Note [Truncated under us]
   size_t size = checked_fd_size(fd.get(), resource, expected_size);
   char* base = map_fd(fd.get(), size, resource);
   fd.reset();
   std::shared_ptr<Mapping> mapping;
   try {
+    SigbusGuard guard;  // truncated between fstat and here: an error, not a SIGBUS
     mapping = validate(base, size, UniqueFd(), name, expected_id, resource);
+    mapping->register_holder();
+    guard.check(("mapped " + resource).c_str());
   } catch (...) {
-    ::munmap(base, size);
+    if (mapping != nullptr) {
+      mapping->deregister_holder();
+    } else {
+      ::munmap(base, size);
+    }
     throw;
   }
-  mapping->register_holder();
   return mapping;
 }
 

@@ -13,10 +13,30 @@
 // Acquisition waits only as long as the deadline allows; critical sections of this project
 // are bounded (a memcpy of at most one ring's capacity), so a timeout here means the owner is
 // stopped (SIGSTOP, a debugger), not dead.
+//
+// Note [Mutex bytes from a peer]
+// glibc trusts the bytes of a pthread_mutex_t, and ours live in memory every holder can write.
+// Two garbage states matter (tests/test_fuzz.py writes every byte of the mutex):
+// - The type word (`__kind`) picks glibc's code path: a non-robust, priority-inheritance or
+//   priority-protect type reaches assert()s (abort) and paths that never enqueue the mutex in
+//   the robust list. So every lock, try_lock, unlock and mark_consistent first checks that the
+//   word is exactly what init() wrote (CorruptSegmentError otherwise): one compare of a word
+//   glibc loads anyway, no syscall.
+// - An owner (the lock word's thread id) that never existed, or one that exited without the
+//   kernel marking the mutex owner-died (only garbage does that: the kernel marks every
+//   robust mutex a thread holds when it exits), makes every locker wait for ever. A timed
+//   lock just times out; the caller of an untimed one judges the owner between slices
+//   (lock_word() and Ring::lock: Note [A lock nobody holds]).
+// What stays out of reach: a peer that rewrites the mutex *while* this process holds it (the
+// robust-list links or the lock word between lock and unlock) can still make glibc fail the
+// unlock or follow a bad link; only a concurrently writing, hostile peer can do that.
 #pragma once
 
 #include <pthread.h>
+#include <sys/types.h>
 #include <time.h>
+
+#include <cstdint>
 
 #include "common/deadline.h"
 
@@ -42,10 +62,22 @@ class RobustMutex {
   void mark_consistent();
   void unlock();
   /// For destructors on error paths: never throws.
-  void unlock_noexcept() noexcept { ::pthread_mutex_unlock(&mutex_); }
+  void unlock_noexcept() noexcept;
+  /// The raw lock word: owner tid | FUTEX_OWNER_DIED | FUTEX_WAITERS, 0 when unlocked
+  /// (Note [Mutex bytes from a peer]).
+  uint32_t lock_word() const noexcept {
+    return static_cast<uint32_t>(__atomic_load_n(&mutex_.__data.__lock, __ATOMIC_SEQ_CST));
+  }
 
  private:
   Acquired interpret(int rc, const char* call);
+  bool kind_ok() const noexcept;
+  /// CorruptSegmentError unless kind_ok() (Note [Mutex bytes from a peer]).
+  void check_kind() const;
+  /// The holder's unlock: a type word rewritten while this thread held the mutex is put back
+  /// first (it decides whether glibc takes the mutex off this thread's robust list); true if
+  /// it had to be.
+  bool restore_kind() noexcept;
 
   pthread_mutex_t mutex_;
 };
