@@ -194,8 +194,10 @@ void FdServer::answer(int conn) {
   send_fds(conn, &status, sizeof(status), fd.valid() ? &raw : nullptr, fd.valid() ? 1 : 0);
 }
 
-UniqueFd fetch_fd(const std::string& address, uint64_t segment_id, uint64_t secret,
-                  pid_t owner_pid, double timeout) {
+namespace {
+
+UniqueFd fetch_fd_once(const std::string& address, uint64_t segment_id, uint64_t secret,
+                       pid_t owner_pid, double timeout) {
   std::string resource = detail::str_cat("shared memory segment ", segment_id,
                                          " of process ", owner_pid, " (fd server ", address,
                                          ")");
@@ -267,6 +269,10 @@ UniqueFd fetch_fd(const std::string& address, uint64_t segment_id, uint64_t secr
     }
     throw;
   }
+  if (n == 0) {  // closed without a word: the owner exited while answering (retried)
+    throw SyscallError(ECONNRESET, "recvmsg", resource,
+                       "the owner closed the connection without answering");
+  }
   if (n != sizeof(status) || status != 0 || fds.size() != 1) {
     int err = (n == sizeof(status) && status > 0) ? status : EPROTO;
     std::string hint = "the owner refused or answered malformed data";
@@ -283,6 +289,26 @@ UniqueFd fetch_fd(const std::string& address, uint64_t segment_id, uint64_t secr
     throw SyscallError(err, "fetch_fd", resource, hint);
   }
   return std::move(fds[0]);
+}
+
+}  // namespace
+
+// Note [An owner exiting mid-answer]
+// An owner that exits normally with handles in flight leaves an exit keeper listening on
+// its socket (Note [Exit keeper]), but a connection its own server thread had already
+// accepted dies with it: the receiver reads a reset or an empty answer. That is the one
+// case where asking again helps (the keeper answers at the same address), so it is retried
+// twice; every other failure is final.
+UniqueFd fetch_fd(const std::string& address, uint64_t segment_id, uint64_t secret,
+                  pid_t owner_pid, double timeout) {
+  for (int attempt = 0;; ++attempt) {
+    try {
+      return fetch_fd_once(address, segment_id, secret, owner_pid, timeout);
+    } catch (const SyscallError& e) {
+      if ((e.err() != ECONNRESET && e.err() != EPIPE) || attempt >= 2) throw;
+      ::usleep(2000);  // let the exiting owner's keeper take over
+    }
+  }
 }
 
 }  // namespace torch_mp_ext
