@@ -251,6 +251,22 @@ def test_simple_queue_api_and_doorbell():
         q.get()
 
 
+def test_reader_recv_under_rlock_never_waits_for_an_item_a_worker_took():
+    """Pool.terminate() drains the task queue holding _rlock: poll() then recv(). A worker
+    may take the item in between; recv() must then return, not wait for ever."""
+    q = SimpleQueue()
+    q._rlock.acquire()
+    try:
+        assert q._reader.recv() is None  # empty: returns at once
+        q.put(1)
+        assert q._reader.recv() == 1
+    finally:
+        q._rlock.release()
+    q.put(2)
+    assert q._reader.recv() == 2  # without the lock: a blocking get, as before
+    q.close()
+
+
 def test_simple_queue_doorbell_is_off_until_someone_watches_the_pipe():
     """Plain put/get skip the pipe; the first fileno() arms it for every process and rings
     for the items already queued, so wait() never misses them."""

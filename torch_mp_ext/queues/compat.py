@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import multiprocessing.util
 import os
+import queue
 import select
 import threading
 from multiprocessing import reduction
@@ -89,7 +90,18 @@ class _Reader(_End):
             raise OSError("handle is closed")  # what a closed Connection raises
 
     def recv(self) -> Any:
-        return self._q.get()
+        q = self._q
+        if q._rlock.locked():
+            # Pool._help_stuff_finish (terminate) holds _rlock and calls recv() after poll()
+            # said an item is there. Our workers' gets do not take _rlock (it is a thread
+            # lock: Note [SimpleQueue internals that the standard library uses]), so one may
+            # take that item first: then there is nothing to remove, and waiting would hang
+            # the terminate for ever.
+            try:
+                return q.get(False)
+            except queue.Empty:
+                return None
+        return q.get()
 
     def poll(self, timeout: Optional[float] = 0.0) -> bool:
         self._check()
