@@ -53,12 +53,8 @@ bool half_made_segment(const std::string& path) {
   return unfinished && our_name_format(path.substr(path.rfind('/') + 1));
 }
 
-namespace {
-
-bool is_garbage(const std::string& path, const ReapOptions& options) {
-  // Note [Half-made segments]: a creator killed between O_EXCL-creating the name and
-  // writing the header's magic (last) leaves a file without it, which nobody ever held.
-  if (half_made_segment(path)) return true;
+bool judge_segment_header(const std::string& path,
+                          const std::function<bool(SegmentHeader&)>& judge) {
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   if (!fd.valid()) return false;
   struct stat st;
@@ -68,15 +64,25 @@ bool is_garbage(const std::string& path, const ReapOptions& options) {
   }
   void* p = ::mmap(nullptr, sizeof(SegmentHeader), PROT_READ, MAP_SHARED, fd.get(), 0);
   if (p == MAP_FAILED) return false;
-  auto* h = static_cast<SegmentHeader*>(p);
   SigbusGuard guard;  // truncated since the fstat: not ours to judge (Note [Truncated under us])
-  bool garbage = h->magic == SEGMENT_MAGIC && h->layout_version == LAYOUT_VERSION &&
-                 holder_word_dead(h->owner_key, h->pidns) &&
-                 (options.include_inflight || h->inflight.load() == 0) &&
-                 !holders_of(h).any_alive();
-  if (guard.lost()) garbage = false;
+  bool verdict = judge(*static_cast<SegmentHeader*>(p));
+  if (guard.lost()) verdict = false;
   ::munmap(p, sizeof(SegmentHeader));
-  return garbage;
+  return verdict;
+}
+
+namespace {
+
+bool is_garbage(const std::string& path, const ReapOptions& options) {
+  // Note [Half-made segments]: a creator killed between O_EXCL-creating the name and
+  // writing the header's magic (last) leaves a file without it, which nobody ever held.
+  if (half_made_segment(path)) return true;
+  return judge_segment_header(path, [&](SegmentHeader& h) {
+    return h.magic == SEGMENT_MAGIC && h.layout_version == LAYOUT_VERSION &&
+           holder_word_dead(h.owner_key, h.pidns) &&
+           (options.include_inflight || h.inflight.load() == 0) &&
+           !holders_of(&h).any_alive();
+  });
 }
 
 }  // namespace

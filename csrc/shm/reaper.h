@@ -1,8 +1,11 @@
 // Removing names of file_system segments whose holders are all dead (Note [Holder table]).
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
+
+#include "shm/layout.h"
 
 namespace torch_mp_ext {
 
@@ -24,5 +27,11 @@ std::vector<std::string> reap_dead_segments(const ReapOptions& options);
 /// (written last) was never written: its creator was killed while creating it. Only
 /// meaningful once the creator is known dead.
 bool half_made_segment(const std::string& path);
+
+/// Maps the header of the segment file at `path` read-only and returns what `judge` says of
+/// it; false if it is not a regular file large enough, cannot be mapped, or is truncated
+/// while `judge` reads it (Note [Truncated under us]). For the reaper and the session sweep.
+bool judge_segment_header(const std::string& path,
+                          const std::function<bool(SegmentHeader&)>& judge);
 
 }  // namespace torch_mp_ext

@@ -68,22 +68,12 @@ pid_t session_name_creator(const std::string& entry, const std::string& tag_hex)
 /// Nobody alive holds the segment at `path` and its creator is dead or this process.
 bool unheld(const std::string& path) {
   if (half_made_segment(path)) return true;  // Note [Half-made segments]
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
-  if (!fd.valid()) return false;
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
-      static_cast<size_t>(st.st_size) < sizeof(SegmentHeader)) {
-    return false;
-  }
-  void* p = ::mmap(nullptr, sizeof(SegmentHeader), PROT_READ, MAP_SHARED, fd.get(), 0);
-  if (p == MAP_FAILED) return false;
-  auto* h = static_cast<SegmentHeader*>(p);
-  bool garbage = h->magic == SEGMENT_MAGIC && h->layout_version == LAYOUT_VERSION &&
-                 holders_of(h).can_judge() &&
-                 (h->owner_key == self_key() || holder_word_dead(h->owner_key, h->pidns)) &&
-                 !holders_of(h).any_alive();
-  ::munmap(p, sizeof(SegmentHeader));
-  return garbage;
+  return judge_segment_header(path, [](SegmentHeader& h) {
+    return h.magic == SEGMENT_MAGIC && h.layout_version == LAYOUT_VERSION &&
+           holders_of(&h).can_judge() &&
+           (h.owner_key == self_key() || holder_word_dead(h.owner_key, h.pidns)) &&
+           !holders_of(&h).any_alive();
+  });
 }
 
 }  // namespace
