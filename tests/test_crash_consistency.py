@@ -272,6 +272,35 @@ def test_names_of_messages_lost_in_flight_are_gone_once_the_run_exits():
 
 KILLED_ROOT_SCRIPT = SESSION_SCRIPT.replace("q.close()", "os.kill(os.getpid(), 9)")
 
+EXEC_CHILD_SCRIPT = """
+import os, torch_mp_ext
+pid = os.fork()  # the atfork handler makes the child a member of the session
+if pid == 0:
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1)
+    os.dup2(null, 2)  # the test reads the run's output to its end
+    os.execv("/bin/sleep", ["sleep", "30"])  # as torch starts torch_shm_manager
+print(os.getpid(), pid)
+"""
+
+
+def test_a_members_fork_that_execs_another_program_does_not_keep_the_session():
+    """torch's file_system strategy forks torch_shm_manager from a member and execs it; it
+    outlived the run (the test suite's root) and the run's member table stayed in /dev/shm.
+    A process without this extension mapped can hold no handle: the run still sweeps."""
+    env = dict(os.environ)
+    env.pop("TORCH_MP_EXT_SESSION", None)
+    done = subprocess.run([sys.executable, "-c", EXEC_CHILD_SCRIPT], capture_output=True,
+                          text=True, timeout=T, env=env)
+    assert done.returncode == 0, done.stderr
+    root, sleeper = map(int, done.stdout.split())
+    try:
+        os.kill(sleeper, 0)  # still running when the run ended
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"tmx_{root}_session_")]
+        assert left == []
+    finally:
+        os.kill(sleeper, signal.SIGKILL)
+
 
 def test_cleanup_sweeps_a_run_whose_last_process_was_killed():
     """The run's last process was SIGKILLed, so nobody swept its names: `cleanup` finds its

@@ -2,15 +2,18 @@
 #include "shm/session.h"
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 #include "common/unique_fd.h"
@@ -52,6 +55,47 @@ void claim_member() {
     g_slot = table.claim();
   }
   if (g_slot < 0) g_table->untracked.fetch_add(1, std::memory_order_acq_rel);
+}
+
+/// The file this extension was loaded from, as /proc/<pid>/maps names it ("" if unknown).
+const std::string& extension_path() {
+  static const std::string path = [] {
+    Dl_info info{};
+    return ::dladdr(reinterpret_cast<void*>(&session_end), &info) != 0 && info.dli_fname
+               ? std::string(info.dli_fname)
+               : std::string();
+  }();
+  return path;
+}
+
+/// Whether `pid` has this extension mapped: a member's fork that exec'd another program
+/// (torch's torch_shm_manager, a subprocess) keeps the member's slot, but holds no handle
+/// and can redeem none (Note [Session names]). When that cannot be told, it may.
+bool runs_extension(pid_t pid) {
+  const std::string& path = extension_path();
+  if (path.empty()) return true;
+  char maps[64];
+  std::snprintf(maps, sizeof(maps), "/proc/%d/maps", static_cast<int>(pid));
+  FILE* f = std::fopen(maps, "re");
+  if (f == nullptr) return errno != ENOENT;  // gone meanwhile; EACCES: cannot tell
+  char line[4096];
+  bool found = false;
+  while (!found && std::fgets(line, sizeof(line), f) != nullptr) {
+    found = std::strstr(line, path.c_str()) != nullptr;
+  }
+  std::fclose(f);
+  return found;
+}
+
+/// Whether a member that could still redeem a handle of the session lives.
+bool members_alive(SessionTable* t) {
+  HolderTable table = members_of(t);
+  if (!table.can_judge() || t->untracked.load(std::memory_order_acquire) != 0) return true;
+  for (size_t i = 0; i < MAX_MEMBERS; ++i) {
+    const HolderSlot& slot = table[i];
+    if (slot.held_alive(t->pidns) && runs_extension(key_pid(slot.key()))) return true;
+  }
+  return false;
 }
 
 /// A name of the session (its tag in the first 8 hex digits) made by `creator`, or 0.
@@ -157,11 +201,7 @@ std::vector<std::string> sweep_names(uint32_t tag32, bool dry_run) {
 std::vector<std::string> session_end() {
   if (g_table == nullptr) return {};
   session_leave();
-  HolderTable table = members_of(g_table);
-  if (!table.can_judge() || table.any_alive() ||
-      g_table->untracked.load(std::memory_order_acquire) != 0) {
-    return {};
-  }
+  if (members_alive(g_table)) return {};
   std::vector<std::string> removed = sweep_names(session_name_tag(), false);
   ::shm_unlink(g_name.c_str());
   return removed;
@@ -194,10 +234,7 @@ std::vector<std::string> reap_dead_sessions(bool dry_run) {
     void* p = ::mmap(nullptr, sizeof(SessionTable), PROT_READ, MAP_SHARED, fd.get(), 0);
     if (p == MAP_FAILED) continue;
     auto* t = static_cast<SessionTable*>(p);
-    HolderTable table = members_of(t);
-    bool over = t->magic.load(std::memory_order_acquire) == SESSION_MAGIC &&
-                table.can_judge() && !table.any_alive() &&
-                t->untracked.load(std::memory_order_acquire) == 0;
+    bool over = t->magic.load(std::memory_order_acquire) == SESSION_MAGIC && !members_alive(t);
     uint32_t tag32 = static_cast<uint32_t>(t->tag);
     ::munmap(p, sizeof(SessionTable));
     if (!over) continue;

@@ -23,6 +23,10 @@
 // or a socket that an unrelated program, with its own session, reads later): such a handle
 // must be redeemed before its run has ended, as with torch's file_system strategy before
 // its creator unlinks the name.
+// A member counts as alive only while it has this extension mapped (/proc/<pid>/maps): a
+// member's fork that exec'd another program keeps the member's slot and key but can hold no
+// handle (torch's torch_shm_manager, forked by a member under torch's file_system strategy,
+// outlived the test suite's root and kept its table in /dev/shm until `cleanup`).
 // Limits: a member that finds the table full (128 processes alive at once) is counted in
 // `untracked`, and a session with an untracked member is never swept (a leak, never an early
 // unlink); two last members exiting at the same instant may each see the other alive and
