@@ -230,39 +230,38 @@ size_t Registry::reclaim_dead_holders() {
 
 void Registry::maybe_unmap_locked(const std::shared_ptr<Mapping>& mapping) {
   if (mapping->local_refs > 0 || mapping->owned) return;
-  if (mapping->named()) {
-    maybe_reap_on_unmap(*mapping);
-    erase_locked(mapping);
-    return;
-  }
   SegmentHeader* h = mapping->header();
-  if ((h->flags.load(std::memory_order_acquire) & FLAG_RETIRED) || owner_gone(h)) {
-    erase_locked(mapping);
+  // A named segment is never handed out again: its one block's name went with its last
+  // reference (FLAG_UNLINK_ON_ZERO), so keeping its mapping would only pin its memory.
+  if (mapping->named() || (h->flags.load(std::memory_order_acquire) & FLAG_RETIRED) ||
+      owner_gone(h)) {
+    unmap_locked(mapping);
     return;
   }
-  idle_.remove(mapping);
+  idle_.remove(mapping);  // Note [Idle mappings of a gone owner]
   idle_.push_back(mapping);
   sweep_idle_locked(false);
 }
 
+void Registry::unmap_locked(const std::shared_ptr<Mapping>& mapping) {
+  if (mapping->named()) maybe_reap_on_unmap(*mapping);  // deregisters this process first
+  erase_locked(mapping);
+}
+
 // Note [Idle mappings of a gone owner] in registry.h.
 size_t Registry::sweep_idle_locked(bool check_owners) {
-  size_t dropped = 0;
-  for (auto it = idle_.begin(); it != idle_.end();) {
-    SegmentHeader* h = (*it)->header();
-    bool drop = (h->flags.load(std::memory_order_acquire) & FLAG_RETIRED) ||
-                idle_.size() > MAX_IDLE_MAPPINGS || (check_owners && owner_gone(h));
-    if (drop) {
-      auto mapping = *it;
-      it = idle_.erase(it);
-      by_address_.erase(reinterpret_cast<uintptr_t>(mapping->data_begin()));
-      by_id_.erase(mapping->id());
-      ++dropped;
-    } else {
-      ++it;
+  std::vector<std::shared_ptr<Mapping>> drop;
+  size_t kept = idle_.size();
+  for (const auto& mapping : idle_) {
+    SegmentHeader* h = mapping->header();
+    if ((h->flags.load(std::memory_order_acquire) & FLAG_RETIRED) ||
+        kept > MAX_IDLE_MAPPINGS || (check_owners && owner_gone(h))) {
+      drop.push_back(mapping);  // the least recently used first
+      --kept;
     }
   }
-  return dropped;
+  for (const auto& mapping : drop) unmap_locked(mapping);
+  return drop.size();
 }
 
 size_t Registry::drop_orphaned_idle() {

@@ -164,6 +164,8 @@ class Registry {
   void unlink_locked(BlockRef* ref);
   void maybe_unmap_locked(const std::shared_ptr<Mapping>& mapping);
   void erase_locked(const std::shared_ptr<Mapping>& mapping);
+  /// Unmaps a mapping without live blocks (a named one is judged by the reaper's rule first).
+  void unmap_locked(const std::shared_ptr<Mapping>& mapping);
   size_t sweep_idle_locked(bool check_owners);
 
   std::mutex mu_;
