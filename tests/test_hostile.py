@@ -161,6 +161,16 @@ def test_nan_and_bad_types_raise(make):
         q.get(timeout="1")
     with pytest.raises(queue.Empty):  # negative: do not wait, as multiprocessing.Queue
         q.get(timeout=-1)
+    with pytest.raises(TypeError, match="'timeout' must be a number or None"):
+        q.get(timeout=True)  # a bool is not a timeout, though it is an int
+    with pytest.raises(ValueError, match="'timeout' must be a non-negative number"):
+        q.put_many([1], timeout=math.nan)
+    with pytest.raises(ValueError, match="'timeout' must be a non-negative number"):
+        q.get_many(1, timeout=math.nan)
+    q.put(1, timeout=5)  # int timeouts take the fast path
+    assert q.get(timeout=5) == 1
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0)
     if make is torch_mp_ext.JoinableQueue:
         with pytest.raises(ValueError, match="'timeout' must be a non-negative number"):
             q.join(timeout=-1)

@@ -78,6 +78,26 @@ def test_items_of_every_kind_round_trip():
     assert q.get_many(100, timeout=T) == items
 
 
+def test_one_batch_mixes_every_path_an_item_can_take():
+    """put_many's loop has a branch per kind (plain values and tuples pickled inline, tensors
+    and arena arrays as records, anything else pickled, large pickles out of line): a batch
+    mixing them all comes back equal, in order."""
+    q = Queue(max_bytes=4096)
+    t = torch.arange(6.0).view(2, 3)
+    a = mp.empty_array((3,), dtype=np.int64)
+    a[:] = [4, 5, 6]
+    big = "s" * 10_000  # a plain value whose pickle goes out of line
+    items = [7, (1, 2.0, "x"), (1, [2]), t, a, big, (t,), None, (big,), b"b", [3]]
+    q.put_many(items, timeout=T)
+    got = q.get_many(len(items), timeout=T)
+    assert len(got) == len(items)
+    assert type(got[3]) is torch.Tensor and torch.equal(got[3], t)
+    assert type(got[4]) is np.ndarray and got[4].tolist() == [4, 5, 6]
+    assert type(got[6]) is tuple and torch.equal(got[6][0], t)
+    plain = [0, 1, 2, 5, 7, 8, 9, 10]
+    assert [got[i] for i in plain] == [items[i] for i in plain]
+
+
 def test_put_many_get_many():
     q = Queue(maxsize=10)
     q.put_many(range(4))

@@ -27,6 +27,7 @@ __all__ = ["seconds", "FOREVER"]
 
 #: What :func:`seconds` returns for "wait for ever" (the C++ core's spelling is negative).
 FOREVER = None
+_TIMEOUT_MAX = threading.TIMEOUT_MAX
 
 
 def seconds(timeout: Any, *, negative_ok: bool = False, name: str = "timeout") -> Optional[float]:
@@ -41,6 +42,9 @@ def seconds(timeout: Any, *, negative_ok: bool = False, name: str = "timeout") -
         TypeError: not a real number or None.
         ValueError: NaN, or negative unless ``negative_ok``.
     """
+    tp = type(timeout)
+    if (tp is float or tp is int) and 0 <= timeout <= _TIMEOUT_MAX:
+        return float(timeout)  # the usual case first: isinstance(x, numbers.Real) is slow
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
