@@ -41,3 +41,14 @@ def test_pipeline_benchmark_runs_and_every_variant_agrees():
     assert out.stdout.count("All sums equal: yes.") == 2, out.stdout
     assert "| torch.multiprocessing.Queue |" in out.stdout
     assert "| tmx pipeline workers=2 |" in out.stdout
+
+
+def test_the_memcpy_floor_is_a_memcpy_whichever_side_answers_first():
+    """The pipe floor's side answers every command with a pipe trial: the memcpy column
+    once showed pipe trials (3.9 ms at 4 KB, 22 us at 16 MB)."""
+    from torch_mp_ext_demo import handoff
+
+    variants = [handoff.FLOOR, next(v for v in handoff.VARIANTS if v.lib == "tmx")]
+    results = handoff.run_handoff([4 << 10, 8 << 20], 1, variants, warmups=0)
+    assert results.failures == []
+    assert results.memcpy[8 << 20] > 50 * results.memcpy[4 << 10], results.memcpy
