@@ -79,6 +79,34 @@ def test_offsets_near_2_63_do_not_wrap_the_bounds_checks(worker):
         assert "does not fit" in message
 
 
+def test_a_misaligned_tensor_handle_raises_instead_of_a_sigsegv(worker):
+    """The long fuzz run (200,000 examples) found a forged offset that put a complex128
+    tensor at an odd address; torch's own kernels then died of SIGSEGV writing it
+    (c10::complex<double> is alignas(16): 8 bytes off was fatal too)."""
+    for offset, dtype in ((1, torch.complex128), (8, torch.complex128), (1, torch.float64),
+                          (2, torch.int32), (1, torch.complex64)):
+        case = {"kind": "handle", "writes": [], "api": "tensor", "handle": {},
+                "args": {"offset": offset, "nbytes": 16, "dtype": dtype, "stride": (0,)}}
+        outcome, kind, message = worker.run(case)
+        assert (outcome, kind) == ("raised", "CorruptSegmentError"), (offset, dtype, message)
+        assert "aligned" in message
+    case = {"kind": "handle", "writes": [], "api": "tensor", "handle": {},
+            "args": {"offset": 16, "nbytes": 16, "dtype": torch.complex128, "stride": (0,)}}
+    assert worker.run(case)[0] == "ok"
+
+
+def test_a_misaligned_tensor_record_raises():
+    """The lean record path (Note [Lean tensor records]) checks alignment too."""
+    from torch_mp_ext.sharing import records
+
+    block_tensor = torch_mp_ext.empty(64, dtype=torch.uint8)
+    data, _ = _C.share_record(block_tensor.data_ptr() + 4, 32, 0, [4], [1],
+                              records._CODES[torch.float64], records.KIND_TENSOR, 0)
+    with pytest.raises(CorruptSegmentError, match="not 8-byte aligned"):
+        records.rebuild(data)
+    del block_tensor
+
+
 def test_a_free_stack_index_out_of_range_raises_and_the_owner_recovers(worker):
     head = field(SEG_FIELDS, "free_head", (7 << 32) | 5000)
     outcome, kind, message = worker.run({"kind": "owned", "nbytes": 1000, "writes": [head]})

@@ -189,7 +189,8 @@ def rebuild_cpu_tensor(
 ) -> torch.Tensor:
     """Rebuilds a CPU tensor viewing a block (zero-copy), taking over the handle's reference."""
     storage = _storage_from_handle(handle, offset, nbytes)
-    t = torch.empty((0,), dtype=dtype).set_(storage, storage_offset, size, stride)
+    t = _records.check_aligned(
+        torch.empty((0,), dtype=dtype).set_(storage, storage_offset, size, stride))
     if cls is torch.nn.parameter.Parameter:
         # requires_grad goes into the constructor: integer Parameters must get False there.
         return torch.nn.parameter.Parameter(t, requires_grad=requires_grad)

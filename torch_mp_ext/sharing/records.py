@@ -25,7 +25,7 @@ from .. import _C
 from ..errors import CorruptSegmentError
 from . import memory as _memory
 
-__all__ = ["shared_cache", "share_tensor", "share_array", "rebuild", "release"]
+__all__ = ["shared_cache", "share_tensor", "share_array", "rebuild", "release", "check_aligned"]
 
 class _Cache(SharedCache):
     """torch's ``SharedCache`` with a lock only around its sweep: a locked ``get`` and
@@ -115,6 +115,19 @@ def share_array(arr: np.ndarray) -> Optional[bytes]:
     return None if got is None else got[0]
 
 
+def check_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or CorruptSegmentError if its data is not aligned for its dtype: a forged
+    offset put a complex128 tensor at an odd address and torch's own kernels then died of
+    SIGSEGV writing it (c10::complex<double> is alignas(16); found by the long fuzz run).
+    Storages we share start on block boundaries, so only a forged handle or record fails."""
+    align = min(t.element_size(), 16)
+    if align > 1 and t.data_ptr() % align:
+        raise CorruptSegmentError(
+            f"a shared tensor handle places a {t.dtype} tensor at address {t.data_ptr():#x}, "
+            f"which is not {align}-byte aligned: the handle was forged or corrupted")
+    return t
+
+
 def _rebuild_array(data: bytes, code: int, flags: int, offset: int, so: int, sizes: tuple,
                    strides: tuple) -> np.ndarray:
     if code >= len(_NP_DTYPES):
@@ -158,6 +171,7 @@ def rebuild(data: bytes) -> Any:
         finally:
             del block  # not kept alive by a traceback: the tensor holds what it needs
         shared_cache[key] = StorageWeakRef(t.untyped_storage())
+    check_aligned(t)
     if flags & REQUIRES_GRAD:
         t.requires_grad_(True)
     return t
