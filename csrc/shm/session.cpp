@@ -89,13 +89,9 @@ bool runs_extension(pid_t pid) {
 
 /// Whether a member that could still redeem a handle of the session lives.
 bool members_alive(SessionTable* t) {
-  HolderTable table = members_of(t);
-  if (!table.can_judge() || t->untracked.load(std::memory_order_acquire) != 0) return true;
-  for (size_t i = 0; i < MAX_MEMBERS; ++i) {
-    const HolderSlot& slot = table[i];
-    if (slot.held_alive(t->pidns) && runs_extension(key_pid(slot.key()))) return true;
-  }
-  return false;
+  return t->untracked.load(std::memory_order_acquire) != 0 ||
+         members_of(t).any_alive_where(
+             [](const HolderSlot& slot) { return runs_extension(key_pid(slot.key())); });
 }
 
 /// A name of the session (its tag in the first 8 hex digits) made by `creator`, or 0.

@@ -62,13 +62,4 @@ int HolderTable::find() const {
   return -1;
 }
 
-bool HolderTable::any_alive(uint64_t except) const {
-  if (!can_judge()) return true;
-  for (size_t i = 0; i < count_; ++i) {
-    const HolderSlot& slot = (*this)[i];
-    if (slot.word() != except && slot.held_alive(home_ns_)) return true;
-  }
-  return false;
-}
-
 }  // namespace torch_mp_ext

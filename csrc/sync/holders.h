@@ -132,7 +132,19 @@ class HolderTable {
   int find() const;
   /// True if a slot other than `except` (a word) may be held by a live process; always
   /// true for a caller that cannot judge.
-  bool any_alive(uint64_t except = 0) const;
+  bool any_alive(uint64_t except = 0) const {
+    return any_alive_where([except](const HolderSlot& slot) { return slot.word() != except; });
+  }
+  /// any_alive, counting only the live slots for which `counts(slot)` is true.
+  template <typename Counts>
+  bool any_alive_where(Counts&& counts) const {
+    if (!can_judge()) return true;
+    for (size_t i = 0; i < count_; ++i) {
+      const HolderSlot& slot = (*this)[i];
+      if (slot.held_alive(home_ns_) && counts(slot)) return true;
+    }
+    return false;
+  }
   /// Reaps every slot whose process is dead: `take_back(i)` runs between begin_reap and
   /// end_reap of slot i. Returns the slots reaped (0 for a caller that cannot judge).
   template <typename TakeBack>

@@ -58,10 +58,11 @@ import io
 import logging
 import os
 import pickle
+import sys
 import threading
 from collections import ChainMap
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 from .. import _C
 from ..errors import PeerDiedError
@@ -123,40 +124,9 @@ def _reset_after_fork() -> None:  # another thread may have held the lock at for
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def _plain(obj: Any) -> Optional[bytes]:
-    """The plain pickler's bytes for a plain value or a small tuple of them (the common
-    message: no reducer can apply), else None."""
-    tp = type(obj)
-    if tp in PLAIN_TYPES:
-        return _plain_dumps(obj, PROTOCOL)
-    if tp is tuple and len(obj) <= 8:
-        for x in obj:
-            if type(x) not in PLAIN_TYPES:
-                return None
-        return _plain_dumps(obj, PROTOCOL)
-    return None
-
-
 def dumps(obj: Any) -> bytes:
     """``ForkingPickler.dumps(obj, 5)``, as bytes (Note [Pickling queue items])."""
-    tp = type(obj)
-    if tp in PLAIN_TYPES:
-        return _plain_dumps(obj, PROTOCOL)
-    if tp is tuple and (plain := _plain(obj)) is not None:
-        return plain
-    shared = _shared
-    if not shared.lock.acquire(False):
-        out = io.BytesIO()
-        _QueuePickler(out, PROTOCOL).dump(obj)
-        return out.getvalue()
-    chunks = shared.chunks
-    try:
-        shared.pickler.dump(obj)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    finally:
-        chunks.clear()
-        shared.pickler.clear_memo()
-        shared.lock.release()
+    return dump_item(obj, sys.maxsize)  # type: ignore[no-any-return]  # joined: no limit
 
 
 def dump_item(obj: Any, limit: int) -> Any:
@@ -164,7 +134,7 @@ def dump_item(obj: Any, limit: int) -> Any:
     back as the list of chunks, not joined: :func:`to_block` copies them once (Note [Large
     items out of line])."""
     tp = type(obj)
-    if tp in PLAIN_TYPES:  # _plain inline: a call per item showed in put_many's throughput
+    if tp in PLAIN_TYPES:  # a plain value, or a small tuple of them: no reducer can apply
         return _plain_dumps(obj, PROTOCOL)
     if tp is tuple and len(obj) <= 8:
         for x in obj:
