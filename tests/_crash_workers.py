@@ -89,9 +89,12 @@ def die_in_doorbell(q, point, op):
 
 
 def make_tensors_then_die(n, ready):
-    """Creates n tensors in shared memory (never sent anywhere), says so, is SIGKILLed."""
+    """Creates n tensors in shared memory (never sent anywhere) and frees one more (its pooled
+    segment stays cached: Note [Pooled names]), says so, is SIGKILLed."""
     import torch_mp_ext as mp
 
+    freed = mp.empty(1 << 20)
+    del freed
     kept = [mp.empty(1000) for _ in range(n)]
     kept += [mp.empty_array((10_000,), np.float64) for _ in range(n)]
     ready.put(os.getpid())

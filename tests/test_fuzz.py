@@ -62,9 +62,11 @@ class Worker:
     def start(self) -> None:
         path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
         # A lock owner that cannot be judged is waited out for 0.1 s, not 2 (Note [A lock
-        # nobody holds]): the same paths, in less time.
+        # nobody holds]): the same paths, in less time. Named blocks are segments of their
+        # own (Note [Pooled names]: 0 turns pooling off), so a template is one 4 KB block's
+        # segment, not a 2 MB slab, and a worker killed by a case leaves no cached name.
         env = dict(os.environ, PYTHONPATH=path, TORCH_MP_EXT_EXIT_LINGER_S="0",
-                   TORCH_MP_EXT_LOCK_DOUBT_S="0.1")
+                   TORCH_MP_EXT_LOCK_DOUBT_S="0.1", TORCH_MP_EXT_NAMED_CACHE_S="0")
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_fuzz_worker.py")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         assert self._read(1, 120.0) == b"R", "the fuzz worker did not start"

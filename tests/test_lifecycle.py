@@ -40,18 +40,90 @@ def wait_until(predicate, timeout=30.0):
 
 
 def test_file_system_name_exists_while_alive_and_then_vanishes(file_system):
-    """torch's test_fs: the name starts with torch_<creator pid> and goes with the storage."""
+    """torch's test_fs: the name starts with torch_<creator pid> and goes after the storage.
+    Note [Pooled names]: it stays pooled for reuse while the process keeps sharing, then goes
+    about a second after the last block in it went."""
     me = os.getpid()
     t = torch.full((4,), 1.0, dtype=torch.float64)
     assert names_of(me) == set()
     q = mp.get_context("fork").SimpleQueue()
-    q.put(t)  # moved into a named segment now
-    assert len(names_of(me)) == 1
-    u = q.get()
-    assert torch.equal(u, t)
-    del t, u
-    assert names_of(me) == set()
-    q.close()
+    try:
+        q.put(t)  # moved into a named segment now
+        names = names_of(me)
+        assert len(names) == 1
+        u = q.get()
+        assert torch.equal(u, t)
+        del t, u
+        v = torch.zeros(4, dtype=torch.float64)
+        q.put(v)  # the pooled segment's block again: no new name
+        assert names_of(me) == names
+        assert torch.equal(q.get(), v)
+        del v
+        started = time.monotonic()
+        assert wait_until(lambda: names_of(me) == set(), timeout=10.0)
+        assert time.monotonic() - started < 5.0
+    finally:
+        q.close()
+
+
+def test_file_system_hand_offs_reuse_one_pooled_segment_and_its_mapping(file_system):
+    """Note [Pooled names]: tensor after tensor, the sender's pool hands out the same named
+    segment again and the receiver keeps its mapping: no new name, no new mapping."""
+    me = os.getpid()
+    ctx = mp.get_context("fork")
+    q, acks = ctx.SimpleQueue(), ctx.SimpleQueue()
+    p = ctx.Process(target=_workers.take_and_count_mappings, args=(q, acks, 10))
+    p.start()
+    try:
+        names, mapped = [], []
+        for i in range(10):
+            t = mp.empty(1 << 18)
+            t.fill_(i)
+            q.put(t)
+            del t
+            ok, count = acks.get()
+            assert ok
+            mapped.append(count)
+            names.append(frozenset(names_of(me)))
+        assert len(names[0]) == 1 and set(names) == {names[0]}, names
+        assert set(mapped[1:]) == {mapped[0]}, mapped
+        p.join(60)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(60)
+        q.close()
+        acks.close()
+
+
+def test_file_system_names_go_with_their_storage_when_pooling_is_off():
+    """TORCH_MP_EXT_NAMED_CACHE_S=0: each file_system block is a segment of its own whose name
+    goes with its last reference, as in torch."""
+    script = textwrap.dedent(
+        """
+        import os, torch, torch_mp_ext as mp
+        mp.set_sharing_strategy("file_system")
+        mine = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{os.getpid()}_")]
+        q = mp.get_context("fork").SimpleQueue()
+        q.put(torch.ones(4))
+        assert len(mine()) == 1, mine()
+        u = q.get()
+        assert len(mine()) == 1, mine()
+        del u
+        assert mine() == [], mine()
+        t, u = mp.empty(10), mp.empty(10)
+        assert len(mine()) == 2, mine()  # one segment per block
+        del t, u
+        assert mine() == [], mine()
+        q.close()
+        print("ok")
+        """
+    )
+    env = dict(os.environ, TORCH_MP_EXT_NAMED_CACHE_S="0")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_file_descriptor_strategy_leaves_no_names():

@@ -210,7 +210,8 @@ void init_shm(py::module_& m) {
                        [&] { return Arena::instance().allocate(nbytes, named); });
       },
       py::arg("nbytes"), py::arg("named") = false,
-      R"pbdoc(A new block of at least `nbytes` bytes: anonymous and pooled, or named.)pbdoc");
+      R"pbdoc(A new pooled block of at least `nbytes` bytes, in an anonymous segment or a named one
+(file_system; Note [Pooled names]).)pbdoc");
   m.def(
       "allocate_sparse",
       [](size_t nbytes, size_t reserved, bool named) {

@@ -3,10 +3,12 @@
 #include <fcntl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "common/arith.h"
 #include "common/check.h"
@@ -47,6 +49,11 @@ Arena::Arena() {
     unsigned long long value = std::strtoull(env, &end, 10);
     if (end != env && *end == '\0') cache_limit_ = static_cast<size_t>(value);
   }
+  if (const char* env = std::getenv("TORCH_MP_EXT_NAMED_CACHE_S")) {
+    char* end = nullptr;
+    double value = std::strtod(env, &end);
+    if (end != env && *end == '\0' && value >= 0 && value < 1e6) named_idle_s_ = value;
+  }
 }
 
 uint64_t Arena::class_size(size_t nbytes) {
@@ -70,7 +77,7 @@ std::unique_ptr<BlockRef> Arena::take_locked(const std::shared_ptr<Mapping>& map
     // A peer scribbled on the free stack: this segment hands out nothing more (its live blocks
     // stay mapped); the next allocation makes a fresh one.
     std::shared_ptr<Mapping> bad = mapping;  // `mapping` may be the pool's own element
-    auto& pool = pools_[bad->block_size()];
+    auto& pool = pools_[{bad->block_size(), bad->named()}];
     pool.erase(std::remove(pool.begin(), pool.end(), bad), pool.end());
     auto& registry = Registry::instance();
     std::lock_guard<std::mutex> lock(registry.mutex());
@@ -84,17 +91,18 @@ std::unique_ptr<BlockRef> Arena::take_locked(const std::shared_ptr<Mapping>& map
   return registry.adopt_locked(mapping, index);
 }
 
-std::shared_ptr<Mapping> Arena::new_segment_locked(uint64_t block_size) {
-  std::string address = FdServer::instance().address();
+std::shared_ptr<Mapping> Arena::new_segment_locked(uint64_t block_size, bool named) {
+  std::string address = named ? std::string() : FdServer::instance().address();
   SegmentSpec spec;
   spec.kind = SegmentKind::Arena;
   spec.block_size = block_size;
   spec.nblocks = blocks_per_segment(block_size);
-  spec.named = false;
+  spec.named = named;
   spec.flags = FLAG_FREE_ON_ZERO;
   std::shared_ptr<Mapping> mapping = create_or_trim_locked(spec);
-  std::snprintf(mapping->header()->name, NAME_CAPACITY, "%s", address.c_str());
-  pools_[block_size].push_back(mapping);
+  // An anonymous segment's name field says where its fd is served; a named one's is its name.
+  if (!named) std::snprintf(mapping->header()->name, NAME_CAPACITY, "%s", address.c_str());
+  pools_[{block_size, named}].push_back(mapping);
   auto& registry = Registry::instance();
   std::lock_guard<std::mutex> lock(registry.mutex());
   registry.add_owned_locked(mapping);
@@ -105,32 +113,10 @@ std::unique_ptr<BlockRef> Arena::allocate(size_t nbytes, bool named) {
   TMX_CHECK_VALUE(nbytes > 0, "cannot allocate an empty shared-memory block");
   TMX_CHECK_VALUE(nbytes <= (size_t{1} << 46), "shared-memory block of ", nbytes,
                   " bytes is larger than the 64 TiB this arena supports");
-  if (named) {
-    SegmentSpec spec;
-    spec.kind = SegmentKind::Arena;
-    spec.block_size = round_up(nbytes, BLOCK_ALIGNMENT);
-    spec.nblocks = 1;
-    spec.named = true;
-    spec.flags = FLAG_UNLINK_ON_ZERO;
-    std::shared_ptr<Mapping> mapping;
-    try {
-      mapping = create_segment(spec);
-    } catch (const SyscallError& e) {  // Note [Unmapping off the caller's path]: wait, retry
-      if (e.err() != ENOSPC && e.err() != ENOMEM) throw;
-      finish_pending_unmaps();  // an unmap may also have ended meanwhile: retry anyway
-      mapping = create_segment(spec);
-    }
-    uint32_t index = mapping->pop_free();
-    init_allocated(*mapping, index);
-    auto& registry = Registry::instance();
-    std::lock_guard<std::mutex> lock(registry.mutex());
-    registry.add_owned_locked(mapping);
-    mapping->owned = false;  // never pooled: unmapped with its last local reference
-    return registry.adopt_locked(mapping, index);
-  }
+  if (named && named_idle_s_ <= 0) return allocate_dedicated(nbytes);
   uint64_t block_size = class_size(nbytes);
   std::lock_guard<std::mutex> lock(mu_);
-  auto& pool = pools_[block_size];
+  auto& pool = pools_[{block_size, named}];
   // Newest segments first: they are the likeliest to have free blocks and hot pages.
   for (auto it = pool.rbegin(); it != pool.rend(); ++it) {
     if (auto ref = take_locked(*it)) return ref;
@@ -147,10 +133,70 @@ std::unique_ptr<BlockRef> Arena::allocate(size_t nbytes, bool named) {
     }
   }
   if (cached > cache_limit_) trim_locked(cache_limit_ / 2);
-  auto mapping = new_segment_locked(block_size);
+  auto mapping = new_segment_locked(block_size, named);
   auto ref = take_locked(mapping);
   TMX_CHECK(ref != nullptr, "a new segment had no free block");
+  if (named && !expiry_running_) {
+    expiry_running_ = true;
+    std::thread([this] { expire_named(); }).detach();
+  }
   return ref;
+}
+
+std::unique_ptr<BlockRef> Arena::allocate_dedicated(size_t nbytes) {
+  SegmentSpec spec;
+  spec.kind = SegmentKind::Arena;
+  spec.block_size = round_up(nbytes, BLOCK_ALIGNMENT);
+  spec.nblocks = 1;
+  spec.named = true;
+  spec.flags = FLAG_UNLINK_ON_ZERO;
+  std::shared_ptr<Mapping> mapping;
+  try {
+    mapping = create_segment(spec);
+  } catch (const SyscallError& e) {  // Note [Unmapping off the caller's path]: wait, retry
+    if (e.err() != ENOSPC && e.err() != ENOMEM) throw;
+    finish_pending_unmaps();  // an unmap may also have ended meanwhile: retry anyway
+    mapping = create_segment(spec);
+  }
+  uint32_t index = mapping->pop_free();
+  init_allocated(*mapping, index);
+  auto& registry = Registry::instance();
+  std::lock_guard<std::mutex> lock(registry.mutex());
+  registry.add_owned_locked(mapping);
+  mapping->owned = false;  // never pooled: unmapped with its last local reference
+  return registry.adopt_locked(mapping, index);
+}
+
+// Note [Pooled names]: the owner's thread that retires named segments left fully free.
+void Arena::expire_named() {
+  const auto tick = std::chrono::milliseconds(NAMED_TICK_MS);
+  const int ticks = std::max(1, static_cast<int>(named_idle_s_ * 1000 / NAMED_TICK_MS));
+  for (;;) {
+    std::this_thread::sleep_for(tick);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!expiry_running_) return;  // a fork child's copy of the flag: no thread of ours
+    bool any = false;
+    auto& registry = Registry::instance();
+    for (auto& [key, segments] : pools_) {
+      if (!key.second) continue;
+      for (auto it = segments.begin(); it != segments.end();) {
+        Mapping& m = **it;
+        m.idle_ticks = fully_free(m) ? m.idle_ticks + 1 : 0;
+        if (m.idle_ticks < ticks) {
+          any = true;
+          ++it;
+          continue;
+        }
+        std::lock_guard<std::mutex> rlock(registry.mutex());
+        registry.retire_locked(*it);  // unlinks the name: no block is live
+        it = segments.erase(it);
+      }
+    }
+    if (!any) {  // nothing named left to watch: the next named segment starts a new thread
+      expiry_running_ = false;
+      return;
+    }
+  }
 }
 
 std::unique_ptr<BlockRef> Arena::allocate_sparse(size_t nbytes, size_t reserved, bool named) {
@@ -316,6 +362,7 @@ ArenaStats Arena::stats() {
 void Arena::atfork_child() {
   sparse_.clear();
   pools_.clear();  // the parent keeps allocating from its segments; the child makes its own
+  expiry_running_ = false;  // the parent's expiry thread was not forked
   mu_.unlock();
 }
 

@@ -8,8 +8,26 @@
 // the file_descriptor strategy are anonymous and pooled: a block freed in any process returns
 // to its segment's free stack and the owner hands it out again, already mapped and faulted in.
 // Fully free segments are kept up to the cache limit (TORCH_MP_EXT_ARENA_CACHE_BYTES, default
-// 1 GiB), then retired; empty_cache() retires them all. file_system blocks are never pooled:
-// each is a named segment of its own that vanishes with its last reference, as in torch.
+// 1 GiB), then retired; empty_cache() retires them all. file_system blocks are pooled the same
+// way in named segments of their own pools (Note [Pooled names]).
+//
+// Note [Pooled names]
+// A file_system block lives in a named slab (or, past SMALL_MAX, a named segment of one
+// block) that outlives the block: freed, it goes back on the free stack and the owner hands
+// it out again, and receivers keep their mapping of the name (an idle mapping, as for
+// anonymous segments), so a hand-off maps nothing new once the pool is warm. The name goes:
+// - when its owner retires the segment with no block live: nothing can name it any more (a
+//   handle in flight holds a reference, so a live block). Besides trim, empty_cache() and
+//   normal exit, a thread of the owner's retires every named segment that stayed fully free
+//   for TORCH_MP_EXT_NAMED_CACHE_S seconds (default 1; checked every NAMED_TICK_MS), so
+//   names still go soon after their tensors, as torch's file_system users (and PyTorch's own
+//   leak checks) expect, and a small /dev/shm is not held by a cache. With 0 nothing named is
+//   pooled: each block is a segment of its own whose name goes with its last reference;
+// - otherwise with the last holder that unmaps it once its owner is gone and nothing in flight
+//   names it (maybe_reap_on_unmap: the owner is a registered holder while it keeps the
+//   segment), or at a join's run-time reclaim (Note [Reclaiming names at run time]) or the
+//   session's sweep (Note [Session names]) when that holder was killed too.
+// So a killed owner's cached free segments, which nobody else maps, go at the next join.
 #pragma once
 
 #include <cstddef>
@@ -17,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "shm/registry.h"
@@ -27,6 +46,10 @@ constexpr size_t MIN_BLOCK = 512;
 constexpr size_t SMALL_MAX = 256 * 1024;
 constexpr size_t SLAB_BYTES = 2 * 1024 * 1024;
 constexpr size_t DEFAULT_CACHE_LIMIT = size_t{1} << 30;
+/// Note [Pooled names]: how long a fully free named segment waits for reuse, and the period of
+/// the thread that checks.
+constexpr double DEFAULT_NAMED_IDLE_S = 1.0;
+constexpr int NAMED_TICK_MS = 250;
 
 struct ArenaStats {
   size_t segments = 0;
@@ -42,7 +65,7 @@ class Arena {
   static Arena& instance();
 
   /// A new block of at least `nbytes` bytes with refcount 1, owned by the caller.
-  /// `named`: a file_system (named, unpooled) segment; otherwise an anonymous pooled block.
+  /// `named`: from a named (file_system) segment, else an anonymous one; both are pooled.
   std::unique_ptr<BlockRef> allocate(size_t nbytes, bool named);
   /// A block of `nbytes` of which only the first `reserved` bytes have pages now: a segment
   /// of its own, never pooled with others (Note [Ring growth] in queue/ring.h). Fully free
@@ -66,7 +89,11 @@ class Arena {
   /// Drops dead processes' references on `segments` (Note [Dead holders]).
   size_t reclaim_locked(const std::vector<std::shared_ptr<Mapping>>& segments);
   size_t trim_locked(size_t keep_bytes);
-  std::shared_ptr<Mapping> new_segment_locked(uint64_t block_size);
+  std::shared_ptr<Mapping> new_segment_locked(uint64_t block_size, bool named);
+  /// A named segment of one block whose name goes with its last reference (named_idle_s_ 0).
+  std::unique_ptr<BlockRef> allocate_dedicated(size_t nbytes);
+  /// The expiry thread's loop (Note [Pooled names]); returns once no named segment is pooled.
+  void expire_named();
   /// Retires the sparse segments none of whose block is in use; returns their bytes.
   size_t retire_free_sparse_locked();
   /// create_segment, retried once after dropping cached free segments when it failed for
@@ -74,9 +101,13 @@ class Arena {
   std::shared_ptr<Mapping> create_or_trim_locked(const SegmentSpec& spec);
 
   std::mutex mu_;
-  std::map<uint64_t, std::vector<std::shared_ptr<Mapping>>> pools_;
+  /// Owned pooled segments by (block size, named), largest classes last.
+  std::map<std::pair<uint64_t, bool>, std::vector<std::shared_ptr<Mapping>>> pools_;
   std::vector<std::shared_ptr<Mapping>> sparse_;  ///< owned anonymous sparse segments
   size_t cache_limit_ = DEFAULT_CACHE_LIMIT;
+  /// Seconds a fully free named segment stays pooled (TORCH_MP_EXT_NAMED_CACHE_S).
+  double named_idle_s_ = DEFAULT_NAMED_IDLE_S;
+  bool expiry_running_ = false;  ///< an expiry thread watches the named pools
 };
 
 }  // namespace torch_mp_ext

@@ -31,16 +31,32 @@ bool owner_gone(const SegmentHeader* h) {
   return holder_word_dead(h->owner_key, h->pidns);  // a reused pid is not the owner
 }
 
-/// Crash cleanup for a named segment this process stops mapping (Note [Holder table]).
+bool pooled(const SegmentHeader* h) {
+  return (h->flags.load(std::memory_order_acquire) & FLAG_FREE_ON_ZERO) != 0;
+}
+
+/// Crash cleanup for a named segment this process stops mapping (Note [Holder table]). A
+/// dedicated segment's name is already gone once no block is referenced; a pooled one's goes
+/// when no live process holds it (Note [Pooled names] in arena.h).
 void maybe_reap_on_unmap(Mapping& m) {
   SegmentHeader* h = m.header();
   m.deregister_holder();
   if (h->inflight.load(std::memory_order_acquire) != 0) return;
-  bool referenced = false;
-  for (uint32_t i = 0; i < m.nblocks(); ++i) {
+  bool referenced = pooled(h);
+  for (uint32_t i = 0; i < m.nblocks() && !referenced; ++i) {
     if (m.slots()[i].refcount.load(std::memory_order_acquire) > 0) referenced = true;
   }
   if (referenced && !holders_of(h).any_alive()) unlink_name(m.name());
+}
+
+/// The owner lets go of a pooled named segment: with no block live nothing can name it any
+/// more (Note [Pooled names] in arena.h); with some, its holders' unmaps decide.
+void unlink_if_free(Mapping& m) {
+  SegmentHeader* h = m.header();
+  if (m.named() && pooled(h) && h->live_blocks.load(std::memory_order_acquire) == 0 &&
+      h->inflight.load(std::memory_order_acquire) == 0) {
+    unlink_name(m.name());
+  }
 }
 
 /// One handle in flight was redeemed. Never below zero: a handle redeemed twice (a pickle
@@ -231,10 +247,10 @@ size_t Registry::reclaim_dead_holders() {
 void Registry::maybe_unmap_locked(const std::shared_ptr<Mapping>& mapping) {
   if (mapping->local_refs > 0 || mapping->owned) return;
   SegmentHeader* h = mapping->header();
-  // A named segment is never handed out again: its one block's name went with its last
-  // reference (FLAG_UNLINK_ON_ZERO), so keeping its mapping would only pin its memory.
-  if (mapping->named() || (h->flags.load(std::memory_order_acquire) & FLAG_RETIRED) ||
-      owner_gone(h)) {
+  // A dedicated named segment is never handed out again: its one block's name went with its
+  // last reference (FLAG_UNLINK_ON_ZERO), so keeping its mapping would only pin its memory.
+  uint32_t flags = h->flags.load(std::memory_order_acquire);
+  if ((flags & (FLAG_UNLINK_ON_ZERO | FLAG_RETIRED)) || owner_gone(h)) {
     unmap_locked(mapping);
     return;
   }
@@ -290,7 +306,7 @@ std::shared_ptr<Mapping> Registry::map_handle(const Handle& handle, double timeo
   }
   std::lock_guard<std::mutex> lock(mu_);
   auto kept = insert_locked(mapping);
-  if (kept == mapping && !mapping->named()) sweep_idle_locked(true);
+  if (kept == mapping) sweep_idle_locked(true);
   return kept;
 }
 
@@ -392,6 +408,7 @@ int Registry::dup_fd_for(uint64_t segment_id, uint64_t secret) {
 void Registry::retire_locked(const std::shared_ptr<Mapping>& mapping) {
   mapping->header()->flags.fetch_or(FLAG_RETIRED, std::memory_order_acq_rel);
   mapping->owned = false;
+  unlink_if_free(*mapping);
   erase_locked(mapping);
 }
 
@@ -410,14 +427,15 @@ void Registry::release_all() {
         drop_local_locked(*mapping, i);
       }
       mapping->local_refs = 0;
-      if (mapping->named()) maybe_reap_on_unmap(*mapping);
-      if (mapping->owned && mapping->fd() >= 0) {
-        SegmentHeader* h = mapping->header();
-        kept.push_back({h->segment_id, h->secret, mapping->fd(), h});
+      if (mapping->owned) {
         // Nobody allocates from it again: receivers may drop their idle mappings (Note
         // [Idle mappings of a gone owner] in registry.h).
+        SegmentHeader* h = mapping->header();
         h->flags.fetch_or(FLAG_RETIRED, std::memory_order_acq_rel);
+        if (mapping->fd() >= 0) kept.push_back({h->segment_id, h->secret, mapping->fd(), h});
+        unlink_if_free(*mapping);
       }
+      if (mapping->named()) maybe_reap_on_unmap(*mapping);
     }
   }
   double linger = 30.0;  // Note [Exit keeper]

@@ -98,6 +98,7 @@ class Mapping {
   int64_t local_refs = 0; ///< live BlockRefs of this process on this segment
   /// Live BlockRefs of this process per block; they share one counted reference.
   std::vector<uint32_t> local_counts;
+  int idle_ticks = 0;  ///< owner: expiry ticks this named segment was fully free (arena.h)
 
   /// Registers this process in the holder table (Note [Holder table]); idempotent.
   void register_holder();
