@@ -13,6 +13,7 @@
 #include "common/arith.h"
 #include "common/check.h"
 #include "ipc/fd_server.h"
+#include "shm/sigbus.h"
 #include "shm/unmapper.h"
 
 namespace torch_mp_ext {
@@ -174,7 +175,7 @@ void Arena::expire_named() {
   for (;;) {
     std::this_thread::sleep_for(tick);
     std::lock_guard<std::mutex> lock(mu_);
-    if (!expiry_running_) return;  // a fork child's copy of the flag: no thread of ours
+    SigbusGuard guard;  // a truncated file reads as zeros here (Note [Truncated under us])
     bool any = false;
     auto& registry = Registry::instance();
     for (auto& [key, segments] : pools_) {
