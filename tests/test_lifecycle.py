@@ -41,8 +41,8 @@ def wait_until(predicate, timeout=30.0):
 
 def test_file_system_name_exists_while_alive_and_then_vanishes(file_system):
     """torch's test_fs: the name starts with torch_<creator pid> and goes after the storage.
-    Note [Pooled names]: it stays pooled for reuse while the process keeps sharing, then goes
-    about a second after the last block in it went."""
+    Note [Pooled names]: it stays pooled for reuse while the process keeps sharing, and goes
+    with empty_cache() (or some seconds later: the next test)."""
     me = os.getpid()
     t = torch.full((4,), 1.0, dtype=torch.float64)
     assert names_of(me) == set()
@@ -59,11 +59,38 @@ def test_file_system_name_exists_while_alive_and_then_vanishes(file_system):
         assert names_of(me) == names
         assert torch.equal(q.get(), v)
         del v
-        started = time.monotonic()
-        assert wait_until(lambda: names_of(me) == set(), timeout=10.0)
-        assert time.monotonic() - started < 5.0
+        assert names_of(me) == names  # pooled, with no live block
+        mp.empty_cache()
+        assert names_of(me) == set()
     finally:
         q.close()
+
+
+EXPIRY_SCRIPT = """
+import os, time, torch, torch_mp_ext as mp
+mp.set_sharing_strategy("file_system")
+mine = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{os.getpid()}_")]
+kept = mp.empty(10)
+t = mp.empty(1 << 20)
+assert len(mine()) == 2, mine()
+del t
+started = time.monotonic()
+while len(mine()) == 2 and time.monotonic() - started < 30:
+    time.sleep(0.01)
+waited = time.monotonic() - started
+assert len(mine()) == 1, mine()  # the free segment went, the one with a live block stays
+print(round(waited, 2))
+"""
+
+
+def test_file_system_names_of_free_segments_expire():
+    """Note [Pooled names]: a named segment left with no live block goes by itself after
+    TORCH_MP_EXT_NAMED_CACHE_S seconds; one with a live block stays."""
+    env = dict(os.environ, TORCH_MP_EXT_NAMED_CACHE_S="1")
+    done = subprocess.run([sys.executable, "-c", EXPIRY_SCRIPT], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 0.7 <= float(done.stdout) < 5.0, done.stdout
 
 
 def test_file_system_hand_offs_reuse_one_pooled_segment_and_its_mapping(file_system):
@@ -310,6 +337,31 @@ def test_pages_of_released_blocks_are_back_before_the_next_allocation_fails():
     )
     done = _in_small_dev_shm(script, "64m")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@needs_unshare
+def test_free_file_system_segments_hold_at_most_a_quarter_of_dev_shm():
+    """Note [Pooled names]: in a 64 MB /dev/shm, free named segments past 16 MB go at the next
+    expiry tick, however long the idle time."""
+    script = textwrap.dedent(
+        """
+        import os, time, torch, torch_mp_ext as mp
+        mp.set_sharing_strategy("file_system")
+        def used():
+            st = os.statvfs("/dev/shm")
+            return (st.f_blocks - st.f_bfree) * st.f_frsize
+        ts = [mp.empty(1 << 20) for _ in range(6)]  # six 4 MB segments: 24 MB
+        before = used()
+        del ts
+        time.sleep(1.0)
+        print(before >> 20, used() >> 20)
+        """
+    )
+    env_script = "import os; os.environ['TORCH_MP_EXT_NAMED_CACHE_S'] = '600'\n" + script
+    done = _in_small_dev_shm(env_script, "64m")
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = map(int, done.stdout.split())
+    assert before >= 24 and after <= 17, done.stdout  # 16 MB of segments, plus headers
 
 
 @needs_unshare

@@ -1,6 +1,7 @@
 #include "shm/arena.h"
 
 #include <fcntl.h>
+#include <sys/statvfs.h>
 
 #include <algorithm>
 #include <chrono>
@@ -9,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <tuple>
 
 #include "common/arith.h"
 #include "common/check.h"
@@ -168,32 +170,53 @@ std::unique_ptr<BlockRef> Arena::allocate_dedicated(size_t nbytes) {
   return registry.adopt_locked(mapping, index);
 }
 
+size_t Arena::named_budget() {
+  size_t budget = cache_limit_;
+  struct statvfs st;
+  if (::statvfs("/dev/shm", &st) == 0) {
+    budget = std::min<size_t>(budget, static_cast<size_t>(st.f_blocks) * st.f_frsize / 4);
+  }
+  return budget;
+}
+
 // Note [Pooled names]: the owner's thread that retires named segments left fully free.
 void Arena::expire_named() {
   const auto tick = std::chrono::milliseconds(NAMED_TICK_MS);
   const int ticks = std::max(1, static_cast<int>(named_idle_s_ * 1000 / NAMED_TICK_MS));
+  const size_t budget = named_budget();
   for (;;) {
     std::this_thread::sleep_for(tick);
     std::lock_guard<std::mutex> lock(mu_);
     SigbusGuard guard;  // a truncated file reads as zeros here (Note [Truncated under us])
-    bool any = false;
-    auto& registry = Registry::instance();
+    // (idle ticks, pool, segment) of every fully free named segment; busy ones start over.
+    std::vector<std::tuple<int, std::vector<std::shared_ptr<Mapping>>*, Mapping*>> free;
+    size_t watched = 0;
+    size_t free_bytes = 0;
     for (auto& [key, segments] : pools_) {
       if (!key.second) continue;
-      for (auto it = segments.begin(); it != segments.end();) {
-        Mapping& m = **it;
-        m.idle_ticks = fully_free(m) ? m.idle_ticks + 1 : 0;
-        if (m.idle_ticks < ticks) {
-          any = true;
-          ++it;
-          continue;
-        }
-        std::lock_guard<std::mutex> rlock(registry.mutex());
-        registry.retire_locked(*it);  // unlinks the name: no block is live
-        it = segments.erase(it);
+      watched += segments.size();
+      for (auto& m : segments) {
+        m->idle_ticks = fully_free(*m) ? m->idle_ticks + 1 : 0;
+        if (m->idle_ticks == 0) continue;
+        free.emplace_back(m->idle_ticks, &segments, m.get());
+        free_bytes += m->size();
       }
     }
-    if (!any) {  // nothing named left to watch: the next named segment starts a new thread
+    // Longest idle first: past the idle time, or past the share of /dev/shm a cache may hold.
+    std::sort(free.begin(), free.end(),
+              [](const auto& a, const auto& b) { return std::get<0>(a) > std::get<0>(b); });
+    auto& registry = Registry::instance();
+    for (auto& [idle, segments, m] : free) {
+      if (idle < ticks && free_bytes <= budget) break;
+      free_bytes -= m->size();
+      auto it = std::find_if(segments->begin(), segments->end(),
+                             [m = m](const auto& p) { return p.get() == m; });
+      std::lock_guard<std::mutex> rlock(registry.mutex());
+      registry.retire_locked(*it);  // unlinks the name: no block is live
+      segments->erase(it);
+      --watched;
+    }
+    if (watched == 0) {  // nothing named left to watch: the next named segment starts a new thread
       expiry_running_ = false;
       return;
     }

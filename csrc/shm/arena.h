@@ -18,11 +18,14 @@
 // anonymous segments), so a hand-off maps nothing new once the pool is warm. The name goes:
 // - when its owner retires the segment with no block live: nothing can name it any more (a
 //   handle in flight holds a reference, so a live block). Besides trim, empty_cache() and
-//   normal exit, a thread of the owner's retires every named segment that stayed fully free
-//   for TORCH_MP_EXT_NAMED_CACHE_S seconds (default 1; checked every NAMED_TICK_MS), so
-//   names still go soon after their tensors, as torch's file_system users (and PyTorch's own
-//   leak checks) expect, and a small /dev/shm is not held by a cache. With 0 nothing named is
-//   pooled: each block is a segment of its own whose name goes with its last reference;
+//   normal exit, a thread of the owner's (checking every NAMED_TICK_MS) retires every named
+//   segment that stayed fully free for TORCH_MP_EXT_NAMED_CACHE_S seconds (default 10), and
+//   the longest idle ones while free named segments hold more than a quarter of /dev/shm
+//   (named_budget(): /dev/shm is often small, and torch's own segments need it too). So
+//   names still go soon after their tensors, as torch's file_system users (and PyTorch's
+//   own leak checks, which wait 30 s) expect, while a loop that shares a tensor every few
+//   seconds finds its segment still mapped. With 0 nothing named is pooled: each block is a
+//   segment of its own whose name goes with its last reference, as in torch;
 // - otherwise with the last holder that unmaps it once its owner is gone and nothing in flight
 //   names it (maybe_reap_on_unmap: the owner is a registered holder while it keeps the
 //   segment), or at a join's run-time reclaim (Note [Reclaiming names at run time]) or the
@@ -48,7 +51,7 @@ constexpr size_t SLAB_BYTES = 2 * 1024 * 1024;
 constexpr size_t DEFAULT_CACHE_LIMIT = size_t{1} << 30;
 /// Note [Pooled names]: how long a fully free named segment waits for reuse, and the period of
 /// the thread that checks.
-constexpr double DEFAULT_NAMED_IDLE_S = 1.0;
+constexpr double DEFAULT_NAMED_IDLE_S = 10.0;
 constexpr int NAMED_TICK_MS = 250;
 
 struct ArenaStats {
@@ -94,6 +97,9 @@ class Arena {
   std::unique_ptr<BlockRef> allocate_dedicated(size_t nbytes);
   /// The expiry thread's loop (Note [Pooled names]); returns once no named segment is pooled.
   void expire_named();
+  /// Bytes of fully free named segments the expiry thread lets stay: a quarter of /dev/shm,
+  /// at most the cache limit.
+  size_t named_budget();
   /// Retires the sparse segments none of whose block is in use; returns their bytes.
   size_t retire_free_sparse_locked();
   /// create_segment, retried once after dropping cached free segments when it failed for
