@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
-#include <tuple>
 
 #include "common/arith.h"
 #include "common/check.h"
@@ -79,12 +78,7 @@ std::unique_ptr<BlockRef> Arena::take_locked(const std::shared_ptr<Mapping>& map
   } catch (const CorruptSegmentError&) {
     // A peer scribbled on the free stack: this segment hands out nothing more (its live blocks
     // stay mapped); the next allocation makes a fresh one.
-    std::shared_ptr<Mapping> bad = mapping;  // `mapping` may be the pool's own element
-    auto& pool = pools_[{bad->block_size(), bad->named()}];
-    pool.erase(std::remove(pool.begin(), pool.end(), bad), pool.end());
-    auto& registry = Registry::instance();
-    std::lock_guard<std::mutex> lock(registry.mutex());
-    registry.retire_locked(bad);
+    retire_pooled_locked(mapping);
     throw;
   }
   if (index == NO_BLOCK) return nullptr;
@@ -92,6 +86,14 @@ std::unique_ptr<BlockRef> Arena::take_locked(const std::shared_ptr<Mapping>& map
   auto& registry = Registry::instance();
   std::lock_guard<std::mutex> lock(registry.mutex());
   return registry.adopt_locked(mapping, index);
+}
+
+void Arena::retire_pooled_locked(std::shared_ptr<Mapping> mapping) {
+  auto& pool = pools_[{mapping->block_size(), mapping->named()}];
+  pool.erase(std::remove(pool.begin(), pool.end(), mapping), pool.end());
+  auto& registry = Registry::instance();
+  std::lock_guard<std::mutex> lock(registry.mutex());
+  registry.retire_locked(mapping);
 }
 
 std::shared_ptr<Mapping> Arena::new_segment_locked(uint64_t block_size, bool named) {
@@ -188,8 +190,8 @@ void Arena::expire_named() {
     std::this_thread::sleep_for(tick);
     std::lock_guard<std::mutex> lock(mu_);
     SigbusGuard guard;  // a truncated file reads as zeros here (Note [Truncated under us])
-    // (idle ticks, pool, segment) of every fully free named segment; busy ones start over.
-    std::vector<std::tuple<int, std::vector<std::shared_ptr<Mapping>>*, Mapping*>> free;
+    // Every fully free named segment; busy ones start their idle count over.
+    std::vector<std::shared_ptr<Mapping>> free;
     size_t watched = 0;
     size_t free_bytes = 0;
     for (auto& [key, segments] : pools_) {
@@ -198,22 +200,17 @@ void Arena::expire_named() {
       for (auto& m : segments) {
         m->idle_ticks = fully_free(*m) ? m->idle_ticks + 1 : 0;
         if (m->idle_ticks == 0) continue;
-        free.emplace_back(m->idle_ticks, &segments, m.get());
+        free.push_back(m);
         free_bytes += m->size();
       }
     }
     // Longest idle first: past the idle time, or past the share of /dev/shm a cache may hold.
     std::sort(free.begin(), free.end(),
-              [](const auto& a, const auto& b) { return std::get<0>(a) > std::get<0>(b); });
-    auto& registry = Registry::instance();
-    for (auto& [idle, segments, m] : free) {
-      if (idle < ticks && free_bytes <= budget) break;
+              [](const auto& a, const auto& b) { return a->idle_ticks > b->idle_ticks; });
+    for (const auto& m : free) {
+      if (m->idle_ticks < ticks && free_bytes <= budget) break;
       free_bytes -= m->size();
-      auto it = std::find_if(segments->begin(), segments->end(),
-                             [m = m](const auto& p) { return p.get() == m; });
-      std::lock_guard<std::mutex> rlock(registry.mutex());
-      registry.retire_locked(*it);  // unlinks the name: no block is live
-      segments->erase(it);
+      retire_pooled_locked(m);  // unlinks the name: no block is live
       --watched;
     }
     if (watched == 0) {  // nothing named left to watch: the next named segment starts a new thread

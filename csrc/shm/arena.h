@@ -93,6 +93,9 @@ class Arena {
   size_t reclaim_locked(const std::vector<std::shared_ptr<Mapping>>& segments);
   size_t trim_locked(size_t keep_bytes);
   std::shared_ptr<Mapping> new_segment_locked(uint64_t block_size, bool named);
+  /// Takes `mapping` out of its pool and retires it (by value: callers may pass the pool's
+  /// own element).
+  void retire_pooled_locked(std::shared_ptr<Mapping> mapping);
   /// A named segment of one block whose name goes with its last reference (named_idle_s_ 0).
   std::unique_ptr<BlockRef> allocate_dedicated(size_t nbytes);
   /// The expiry thread's loop (Note [Pooled names]); returns once no named segment is pooled.
