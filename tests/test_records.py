@@ -219,3 +219,36 @@ def test_arrays_outside_blocks_or_of_odd_dtypes_are_pickled():
         tag, got = _frame_tag(q, arr)
         assert tag == 0 and got.dtype == arr.dtype and got.shape == arr.shape
     q.close()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mp.empty(3, 4),                    # dense
+    lambda: mp.empty(1, 5, 1),                 # size-1 dims: their strides do not matter
+    lambda: mp.empty(1, 5).as_strided((1, 5), (99, 1)),
+    lambda: mp.empty(4, 6).t(),                # transposed: not contiguous
+    lambda: mp.empty(10)[2:],                  # a storage offset
+    lambda: mp.empty(10)[:5],                  # part of the storage
+    lambda: mp.empty(6)[::2],                  # strided
+    lambda: mp.empty(()),                      # zero-dim
+], ids=["dense", "size-1", "size-1-odd-stride", "transposed", "offset", "prefix", "strided",
+        "zero-dim"])
+def test_the_dense_flag_is_torchs_contiguity_over_the_whole_storage(make):
+    """The C++ side sets DENSE (frombuffer on arrival) exactly when the view starts at the
+    storage's first byte, is contiguous by torch's rule and ends at its last byte."""
+    t = make()
+    data = records.share_tensor(t)
+    flags = _C.read_record(data)[3]
+    records.release(data)
+    expected = (t.storage_offset() == 0 and t.is_contiguous()
+                and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+    assert bool(flags & records.DENSE) == expected
+
+
+def test_an_item_too_large_for_a_tiny_queue_gives_its_reference_back():
+    t = mp.zeros(2, 3, 4, 5, 6, 7)  # a six-dimensional record: about 200 bytes
+    q = mp.Queue(max_bytes=64)
+    with pytest.raises(ValueError, match="can ever hold"):
+        q.put(t)
+    assert _refcount(t) == 1
+    q.close()
+    q.join_thread()

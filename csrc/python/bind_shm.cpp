@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 #include "python/bindings.h"
@@ -74,6 +75,24 @@ py::tuple to_py_tuple(const std::vector<int64_t>& v) {
   return out;
 }
 
+/// records.DENSE: the view covers its storage contiguously, first byte to last.
+constexpr uint8_t RECORD_FLAG_DENSE = 2;
+
+/// Whether `sizes`/`strides` (elements) are C-contiguous and cover exactly `nbytes`.
+bool dense(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
+           size_t itemsize, size_t nbytes) {
+  if (sizes.size() != strides.size()) return false;
+  int64_t expected = 1;  // torch's is_contiguous(): strides of size-1 dims do not matter
+  for (size_t i = sizes.size(); i-- > 0;) {
+    if (sizes[i] <= 0) return false;  // no elements: never all of a non-empty storage
+    if (sizes[i] != 1 && strides[i] != expected) return false;
+    if (expected > INT64_MAX / sizes[i]) return false;
+    expected *= sizes[i];
+  }
+  if (static_cast<uint64_t>(expected) > SIZE_MAX / itemsize) return false;
+  return static_cast<size_t>(expected) * itemsize == nbytes;
+}
+
 /// Runs `f` with this thread armed against a shared-memory file truncated under it: a lost
 /// page is a CorruptSegmentError saying the thread `what`, not a SIGBUS
 /// (Note [Truncated under us]).
@@ -97,8 +116,8 @@ void init_records(py::module_& m) {
   m.def(
       "share_record",
       [](uintptr_t address, size_t nbytes, int64_t storage_offset, std::vector<int64_t> sizes,
-         std::vector<int64_t> strides, uint32_t dtype, uint8_t kind,
-         uint8_t flags) -> py::object {
+         std::vector<int64_t> strides, uint32_t dtype, uint8_t kind, uint8_t flags,
+         size_t itemsize) -> py::object {
         Record r;
         size_t offset = 0;
         bool found = guarded("shared a tensor", [&] {
@@ -107,6 +126,9 @@ void init_records(py::module_& m) {
         if (!found) return py::none();
         r.kind = kind;
         r.flags = flags;
+        if (itemsize != 0 && storage_offset == 0 && dense(sizes, strides, itemsize, nbytes)) {
+          r.flags |= RECORD_FLAG_DENSE;
+        }
         r.dtype = dtype;
         r.offset = offset;
         r.nbytes = nbytes;
@@ -125,8 +147,30 @@ void init_records(py::module_& m) {
       },
       py::arg("address"), py::arg("nbytes"), py::arg("storage_offset"), py::arg("sizes"),
       py::arg("strides"), py::arg("dtype"), py::arg("kind"), py::arg("flags"),
+      py::arg("itemsize") = 0,
       R"pbdoc((record bytes, cache key) carrying one new reference for a storage of
-`nbytes` at `address` inside a live block of this process, else None.)pbdoc");
+`nbytes` at `address` inside a live block of this process, else None. With an `itemsize`,
+the DENSE flag (2) is set when the view covers the storage contiguously from its first
+byte to its last (the receiver then makes it with frombuffer).)pbdoc");
+  m.def(
+      "take_record",
+      [](const py::bytes& data, double timeout) {
+        Record r = record_of(data);
+        std::unique_ptr<BlockRef> block;
+        {
+          py::gil_scoped_release nogil;
+          block = guarded("attached a block",
+                          [&] { return Registry::instance().attach(r.handle, timeout); });
+        }
+        auto address = reinterpret_cast<uintptr_t>(block->data()) + r.offset;
+        return py::make_tuple(record_key(r), r.kind, r.dtype, r.flags, r.offset, r.nbytes,
+                              r.storage_offset, to_py_tuple(r.sizes), to_py_tuple(r.strides),
+                              address, py::cast(std::move(block)));
+      },
+      py::arg("data"), py::arg("timeout") = 60.0,
+      R"pbdoc((key, kind, dtype, flags, offset, nbytes, storage_offset, sizes, strides,
+address, Block) of a record: read_record and attach_record in one call; `address` is where
+the storage starts in this process.)pbdoc");
   m.def(
       "read_record",
       [](const py::bytes& data) {
@@ -138,16 +182,6 @@ void init_records(py::module_& m) {
       py::arg("data"),
       R"pbdoc((key, kind, dtype, flags, offset, nbytes, storage_offset, sizes, strides,
 owner_pid) of a record; CorruptSegmentError if it is malformed.)pbdoc");
-  m.def(
-      "attach_record",
-      [](const py::bytes& data, double timeout) {
-        Record r = record_of(data);
-        py::gil_scoped_release nogil;
-        return guarded("attached a block",
-                       [&] { return Registry::instance().attach(r.handle, timeout); });
-      },
-      py::arg("data"), py::arg("timeout") = 60.0,
-      R"pbdoc(The Block of a record, taking over the reference it carried.)pbdoc");
   m.def(
       "release_record",
       [](const py::bytes& data, double timeout) {

@@ -78,7 +78,8 @@ from ..sharing.pickling import (
     release_frame,
     to_block,
 )
-from ..sharing.records import share_array, share_tensor
+from ..sharing.records import rebuild as rebuild_record
+from ..sharing.records import remember_sent, share_array, share_tensor, share_tensor_deferred
 from ..sharing.strategy import get_all_sharing_strategies
 from ..timeouts import ring_seconds
 from .compat import SimpleQueueCompat
@@ -290,6 +291,8 @@ class _RingQueue:
     def _unusual(self, result: Any) -> Any:
         if type(result) is int:
             self._raise(result)
+        if result[0] == TAG_RECORD:  # the common unusual frame: one call less
+            return rebuild_record(result[1])
         return decode(*result)
 
     # -- the multiprocessing API -----------------------------------------------------------
@@ -313,8 +316,10 @@ class _RingQueue:
             tag, data = TAG_BYTES, obj
             if len(obj) > self._ool:
                 tag, data = TAG_BLOCK, to_block(TAG_BYTES, (obj,))
-        elif (tp is _Tensor or tp is _ndarray) and (record := _record_of(obj)) is not None:
-            tag, data = TAG_RECORD, record  # Note [Lean tensor records]
+        elif tp is _Tensor and (sent := share_tensor_deferred(obj)) is not None:
+            tag, data = TAG_RECORD, sent[0]  # Note [Lean tensor records]
+        elif tp is _ndarray and (record := share_array(obj)) is not None:
+            tag, data = TAG_RECORD, record
         else:
             tag = 0
             try:
@@ -327,6 +332,7 @@ class _RingQueue:
             elif len(data) > self._ool:
                 tag, data = TAG_BLOCK, to_block(0, (data,))
         if len(data) > self._max_payload:
+            release_frame(tag, data)  # a record's or an out-of-line block's reference
             raise self._oversize(obj, len(data))
         try:
             status = self._ring.put(data, tag, -1.0 if block and timeout is None
@@ -337,6 +343,8 @@ class _RingQueue:
         if status:
             release_frame(tag, data)  # Note [Failed puts]
             self._raise(status)
+        if tag == TAG_RECORD and tp is _Tensor:
+            remember_sent(sent[1], sent[2])  # type: ignore[index]  # set with this tag  # Note [Sent storages later]
 
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
         """Removes and returns the oldest item, waiting for one unless ``block`` is false.

@@ -25,7 +25,8 @@ from .. import _C
 from ..errors import CorruptSegmentError
 from . import memory as _memory
 
-__all__ = ["shared_cache", "share_tensor", "share_array", "rebuild", "release", "check_aligned"]
+__all__ = ["shared_cache", "share_tensor", "share_tensor_deferred", "remember_sent",
+           "share_array", "rebuild", "release", "check_aligned"]
 
 class _Cache(SharedCache):
     """torch's ``SharedCache`` with a lock only around its sweep: a locked ``get`` and
@@ -55,6 +56,8 @@ _DTYPES += [d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "u
             if d is not None]
 _CODES = {d: i for i, d in enumerate(_DTYPES)}
 _ITEMSIZE = [torch.empty((), dtype=d).element_size() for d in _DTYPES]
+_ALIGN = [min(n, 16) for n in _ITEMSIZE]  # check_aligned's rule, per code
+_STRIDED = torch.strided
 
 #: numpy dtypes a record carries (native byte order, no objects): the position in this list.
 _NP_DTYPES = [np.dtype(c) for c in "?bBhHiIlLqQefdg"]
@@ -67,39 +70,77 @@ DENSE = 2  # tensors: contiguous from the storage's first byte to its last: from
 READONLY = 4  # arrays: not writeable
 
 
-def _record(t: torch.Tensor, code: int, s: torch.UntypedStorage, nbytes: int) -> Optional[tuple]:
-    flags = 0
-    if t.requires_grad:
-        flags = REQUIRES_GRAD
-    if t.storage_offset() == 0 and t.numel() * _ITEMSIZE[code] == nbytes and t.is_contiguous():
-        flags |= DENSE
+class _StorageRef(StorageWeakRef):
+    """torch's ``StorageWeakRef`` without its per-object lookups of ``torch.Storage`` (a
+    third of its cost, made per hand-off on each side): the same fields, so torch's code and
+    ``SharedCache`` use it unchanged."""
+
+    __slots__ = ()
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:  # noqa: super() not called
+        self.cdata = storage._weak_ref()
+        self._free_weak_ref = _FREE_WEAK_REF
+
+
+_FREE_WEAK_REF = torch.UntypedStorage._free_weak_ref  # what TypedStorage's classmethod calls
+
+
+def _record(t: torch.Tensor, code: int, s: torch.UntypedStorage, nbytes: int,
+            flags: int) -> Optional[tuple]:
+    # The C++ side sets DENSE from the shape (one call instead of three here).
     return _C.share_record(s.data_ptr(), nbytes, t.storage_offset(), t.size(), t.stride(),
-                           code, KIND_TENSOR, flags)
+                           code, KIND_TENSOR, flags, _ITEMSIZE[code])
 
 
 def share_tensor(t: torch.Tensor) -> Optional[bytes]:
     """The record of ``t`` (moving its storage into the arena first if needed), or None
     when ``t`` must be pickled instead. The caller checked ``type(t) is torch.Tensor``."""
-    code = _CODES.get(t.dtype)
-    if code is None or t.layout is not torch.strided or not t.is_cpu:
+    got = share_tensor_deferred(t)
+    if got is None:
         return None
-    if t.requires_grad and not t.is_leaf:
-        return None  # the pickler raises torch's error for it
+    data, key, storage = got
+    remember_sent(key, storage)
+    return data
+
+
+def share_tensor_deferred(t: torch.Tensor) -> Optional[tuple]:
+    """``share_tensor`` without its bookkeeping: (record, key, storage), for which the caller
+    calls :func:`remember_sent` once the record is on its way (Note [Sent storages later])."""
+    code = _CODES.get(t.dtype)
+    if code is None or t.layout is not _STRIDED or not t.is_cpu:
+        return None
+    flags = 0
+    if t.requires_grad:
+        if not t.is_leaf:
+            return None  # the pickler raises torch's error for it
+        flags = REQUIRES_GRAD
     s = t.untyped_storage()
     nbytes = s.nbytes()
     if nbytes == 0:
         return None
-    got = _record(t, code, s, nbytes)
+    got = _record(t, code, s, nbytes, flags)
     if got is None:
         if s.is_shared():  # torch's own shared memory keeps torch's handles
             return None
         _memory.move_storage_(s)  # Note [Moving storages in place]
-        got = _record(t, code, s, nbytes)
+        got = _record(t, code, s, nbytes, flags)
         if got is None:
             return None
-    data, key = got
-    shared_cache[key] = StorageWeakRef(s)
-    return data
+    return got[0], got[1], s
+
+
+def remember_sent(key: tuple, storage: torch.UntypedStorage) -> None:
+    """Note [Sent storages later]: enters a sent storage in ``shared_cache``.
+
+    Note [Sent storages later]
+    A sender enters each storage it shares in ``shared_cache``, as torch's reducers do, so
+    that the tensor coming back rebuilds onto the same storage. ``Queue.put`` does it after
+    the frame is in the ring, not before: the receiver, woken at once, rebuilds while the
+    sender does its bookkeeping instead of after it (a weak reference and a dict store: a
+    few microseconds of a hand-off on cold caches). Until then a record of that block
+    arriving in another thread of the sender misses the cache and makes a second storage on
+    the same memory, as torch does on any miss; the data is the same."""
+    shared_cache[key] = _StorageRef(storage)
 
 
 def share_array(arr: np.ndarray) -> Optional[bytes]:
@@ -122,44 +163,49 @@ def check_aligned(t: torch.Tensor) -> torch.Tensor:
     Storages we share start on block boundaries, so only a forged handle or record fails."""
     align = min(t.element_size(), 16)
     if align > 1 and t.data_ptr() % align:
-        raise CorruptSegmentError(
-            f"a shared tensor handle places a {t.dtype} tensor at address {t.data_ptr():#x}, "
-            f"which is not {align}-byte aligned: the handle was forged or corrupted")
+        raise _misaligned(t.dtype, t.data_ptr(), align)
     return t
 
 
-def _rebuild_array(data: bytes, code: int, flags: int, offset: int, so: int, sizes: tuple,
-                   strides: tuple) -> np.ndarray:
-    if code >= len(_NP_DTYPES):
-        _C.release_record(data)
-        raise CorruptSegmentError(f"a queue item holds a shared array record of dtype code "
-                                  f"{code}, which this version cannot read")
-    arr = _memory.array_from_block(_C.attach_record(data), offset + so, sizes,
-                                   _NP_DTYPES[code], strides)
+def _rebuild_array(block: _C.Block, code: int, flags: int, offset: int, so: int,
+                   sizes: tuple, strides: tuple) -> np.ndarray:
+    arr = _memory.array_from_block(block, offset + so, sizes, _NP_DTYPES[code], strides)
     if flags & READONLY:
         arr.flags.writeable = False
     return arr
 
 
+def _misaligned(dtype: torch.dtype, address: int, align: int) -> CorruptSegmentError:
+    return CorruptSegmentError(
+        f"a shared tensor handle places a {dtype} tensor at address {address:#x}, which is "
+        f"not {align}-byte aligned: the handle was forged or corrupted")
+
+
 def rebuild(data: bytes) -> Any:
     """The tensor or array of a record, viewing its block (zero-copy); takes over its
-    reference."""
-    key, kind, code, flags, offset, nbytes, so, sizes, strides, _ = _C.read_record(data)
-    if kind == KIND_ARRAY:
-        return _rebuild_array(data, code, flags, offset, so, sizes, strides)
+    reference (a failure drops it)."""
+    key, kind, code, flags, offset, nbytes, so, sizes, strides, address, block = \
+        _C.take_record(data)
+    if kind == KIND_ARRAY and code < len(_NP_DTYPES):
+        return _rebuild_array(block, code, flags, offset, so, sizes, strides)
     if kind != KIND_TENSOR or code >= len(_DTYPES):
-        _C.release_record(data)
-        raise CorruptSegmentError(f"a queue item holds a shared tensor record of kind {kind} "
+        del block  # dropped now, not kept alive by the traceback
+        what = "array" if kind == KIND_ARRAY else "tensor"
+        raise CorruptSegmentError(f"a queue item holds a shared {what} record of kind {kind} "
                                   f"and dtype code {code}, which this version cannot read")
     dtype = _DTYPES[code]
     ref = shared_cache.get(key)
     storage = None if ref is None else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
     if storage is not None:  # Note [Identity of rebuilt storages]: already here
-        _C.release_record(data)
-        t = torch.empty((0,), dtype=dtype).set_(storage, so, sizes, strides)
+        del block  # the reference the record carried
+        t = check_aligned(torch.empty((0,), dtype=dtype).set_(storage, so, sizes, strides))
     else:
-        block = _C.attach_record(data)
-        try:  # torch checks the extent against the block (a forged one raises here)
+        # check_aligned's rule on the address the view will have (a forged offset raises
+        # before any tensor exists); torch checks the extent against the block.
+        if (address + so * _ITEMSIZE[code]) % _ALIGN[code]:
+            del block
+            raise _misaligned(dtype, address + so * _ITEMSIZE[code], _ALIGN[code])
+        try:
             if flags & DENSE:
                 t = torch.frombuffer(block, dtype=dtype, count=nbytes // _ITEMSIZE[code],
                                      offset=offset)
@@ -170,8 +216,7 @@ def rebuild(data: bytes) -> Any:
                 t = torch.empty((0,), dtype=dtype).set_(storage, so, sizes, strides)
         finally:
             del block  # not kept alive by a traceback: the tensor holds what it needs
-        shared_cache[key] = StorageWeakRef(t.untyped_storage())
-    check_aligned(t)
+        shared_cache[key] = _StorageRef(t.untyped_storage())
     if flags & REQUIRES_GRAD:
         t.requires_grad_(True)
     return t
