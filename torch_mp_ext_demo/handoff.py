@@ -15,15 +15,16 @@ import sys
 from dataclasses import dataclass, field
 from typing import IO, cast
 
-__all__ = ["Variant", "VARIANTS", "run_handoff", "format_table", "human_size"]
+__all__ = ["Variant", "FLOOR", "TENSOR_FLOOR", "VARIANTS", "run_handoff", "format_table",
+           "human_size"]
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "handoff_worker.py")
 
 
 @dataclass(frozen=True)
 class Variant:
-    lib: str  # "tmx", "torch", "stdlib" or "pipe" (the floor)
-    variant: str  # "fresh", "preshared" or "floor"
+    lib: str  # "tmx", "torch", "stdlib" or "pipe" (the floors)
+    variant: str  # "fresh", "preshared", "floor" or "tensor" (the tensor floor)
     strategy: str  # "file_descriptor" or "file_system"
     label: str
 
@@ -32,8 +33,14 @@ FLOOR = Variant("pipe", "floor", "-", "Python pipe floor")
 """64 bytes through os.write/os.read on a pipe, acknowledged like the tensor rows: the
 least a Python hand-off can take here (issue 15's floor column)."""
 
+TENSOR_FLOOR = Variant("pipe", "tensor", "-", "tensor floor")
+"""Where the tensor lies, through the same pipe, and ``torch.frombuffer`` on a mapping both
+sides already share (Note [Tensor floor] in handoff_worker.py): the least a tensor hand-off
+can take, with no reference counted and nothing looked up."""
+
 VARIANTS = [
     FLOOR,
+    TENSOR_FLOOR,
     Variant("stdlib", "fresh", "-", "stdlib pickle (numpy)"),
     Variant("torch", "fresh", "file_descriptor", "torch fd fresh"),
     Variant("torch", "preshared", "file_descriptor", "torch fd pre-shared"),
@@ -177,11 +184,13 @@ def _ratios(results: Results) -> list:
     pairs = [
         ("tmx fd arena-born / floor", "tmx fd arena-born", FLOOR.label),
         ("tmx fs arena-born / floor", "tmx fs arena-born", FLOOR.label),
+        ("tmx fd arena-born / tensor floor", "tmx fd arena-born", TENSOR_FLOOR.label),
+        ("tmx fs arena-born / tensor floor", "tmx fs arena-born", TENSOR_FLOOR.label),
         ("tmx fs / fd arena-born", "tmx fs arena-born", "tmx fd arena-born"),
         ("torch fd pre-shared / tmx fd arena-born", "torch fd pre-shared", "tmx fd arena-born"),
         ("torch fs pre-shared / tmx fs arena-born", "torch fs pre-shared", "tmx fs arena-born"),
         ("torch fd fresh / tmx fresh", "torch fd fresh", "tmx fd fresh"),
-        ("torch fs fresh / tmx fresh", "torch fs fresh", "tmx fd fresh"),
+        ("torch fs fresh / tmx fresh", "torch fs fresh", "tmx fs fresh"),
         ("stdlib / tmx fresh", "stdlib pickle (numpy)", "tmx fd fresh"),
     ]
     pairs = [p for p in pairs if p[1] in labels and p[2] in labels]
