@@ -4,7 +4,8 @@ Hand-off time is from just before ``put()`` until the consumer holds the tensor 
 returned); the consumer acknowledges before touching the data, then reads every byte (a
 float64 sum) and the producer checks the sum. Each library runs in its own producer/consumer
 pair of processes (torch's never imports torch_mp_ext, so torch's reducers are measured);
-trials are interleaved across libraries, variants and sizes, one warm-up round is dropped,
+trials are interleaved across libraries, variants (in a new seeded order each round) and
+sizes, one warm-up round is dropped,
 and cells are medians. Three floors: in-process memcpy; the Python pipe floor (64 bytes
 through ``os.write``/``os.read`` on a pipe, timed and acknowledged like the tensor rows),
 to which issue 15's targets relate the arena-born rows; and the tensor floor (the same

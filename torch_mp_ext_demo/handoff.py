@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -110,7 +111,12 @@ def run_handoff(
     progress=None,
     warmups: int = 2,
 ) -> Results:
-    """Runs interleaved trials: for each repeat, every size, every variant, one hand-off."""
+    """Runs interleaved trials: for each repeat, every size, every variant, one hand-off.
+
+    The variants of each size run in a new random order every round (seeded, so a run can
+    be repeated): the first trial after a 128 MB one pays for what that trial left behind
+    (cache refills, the kernel's page work), and in a fixed order that was always the same
+    variant's (the pipe floor's 4 KB cell read 24 us instead of 6 us)."""
     libs = sorted({v.lib for v in variants})
     sides = {lib: _Side(lib, transport) for lib in libs}
     results = Results(sizes, list(variants))
@@ -122,9 +128,10 @@ def run_handoff(
                 "seconds"
             ]
         seq = 0
+        order = random.Random(15)
         for rep in range(-1, repeats):  # round -1 warms every path up and is not counted
             for nbytes in sizes:
-                for v in variants:
+                for v in order.sample(variants, len(variants)):
                     seq += 1
                     answer = sides[v.lib].ask(
                         {"op": "trial", "variant": v.variant, "strategy": v.strategy,
