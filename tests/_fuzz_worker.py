@@ -81,6 +81,9 @@ def use_block(obj: Any) -> None:
         if obj.numel():
             obj.view(-1)[-1] = 1
             float(obj.float().sum())
+    elif isinstance(obj, torch.TypedStorage):
+        if obj.size():
+            obj.fill_(1)  # what died of SIGSEGV on a misaligned complex128 storage
     elif isinstance(obj, np.ndarray):
         if obj.size:
             obj.reshape(-1)[-1] = 1
@@ -97,6 +100,10 @@ def rebuild(api: str, handle: tuple, args: dict) -> Any:
     if api == "storage":
         return reductions.rebuild_storage(torch.UntypedStorage, handle, args.get("offset", 0),
                                           nbytes)
+    if api == "typed_storage":  # a TypedStorage pickle: its untyped storage, then the dtype
+        storage = reductions.rebuild_storage(torch.UntypedStorage, handle,
+                                             args.get("offset", 0), nbytes)
+        return reductions.rebuild_typed_storage(storage, args.get("dtype", torch.uint8))
     if api == "array":
         return reductions.rebuild_array(handle, args.get("offset", 0),
                                         args.get("size", (nbytes,)),

@@ -192,14 +192,15 @@ REBUILD_ARGS = st.fixed_dictionaries({}, optional={
 SEGMENT_CASES = st.fixed_dictionaries({
     "kind": st.just("segment"),
     "writes": SEGMENT_WRITES,
-    "api": st.sampled_from(["tensor", "storage", "array", "pickle", "release"]),
+    "api": st.sampled_from(["tensor", "storage", "typed_storage", "array", "pickle",
+                            "release"]),
     "reclaim": st.booleans(),
 }, optional={"truncate": st.integers(0, 2**20), "handle": HANDLE_OVERRIDES,
              "args": REBUILD_ARGS})
 
 HANDLE_CASES = st.fixed_dictionaries({
     "kind": st.just("handle"), "writes": st.just([]),
-    "api": st.sampled_from(["tensor", "array", "release", "pickle"]),
+    "api": st.sampled_from(["tensor", "typed_storage", "array", "release", "pickle"]),
     "handle": HANDLE_OVERRIDES.filter(bool), "args": REBUILD_ARGS,
 })
 

@@ -95,6 +95,20 @@ def test_a_misaligned_tensor_handle_raises_instead_of_a_sigsegv(worker):
     assert worker.run(case)[0] == "ok"
 
 
+def test_a_misaligned_typed_storage_handle_raises(worker):
+    """A TypedStorage crosses as its untyped storage and its dtype: a forged offset must
+    not give it an address its dtype's kernels cannot write."""
+    for offset, dtype in ((8, torch.complex128), (1, torch.float64), (2, torch.int32)):
+        case = {"kind": "handle", "writes": [], "api": "typed_storage", "handle": {},
+                "args": {"offset": offset, "nbytes": 32, "dtype": dtype}}
+        outcome, kind, message = worker.run(case)
+        assert (outcome, kind) == ("raised", "CorruptSegmentError"), (offset, dtype, message)
+        assert "aligned" in message
+    case = {"kind": "handle", "writes": [], "api": "typed_storage", "handle": {},
+            "args": {"offset": 16, "nbytes": 32, "dtype": torch.complex128}}
+    assert worker.run(case)[0] == "ok"
+
+
 def test_a_misaligned_tensor_record_raises():
     """The lean record path (Note [Lean tensor records]) checks alignment too."""
     from torch_mp_ext.sharing import records

@@ -63,6 +63,25 @@ def test_same_storage_rebuilds_as_one_storage_and_same_process_identity(strategy
         assert all(t.storage()._cdata == cdata for t in new[1:])
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(6.0).to(torch.complex128).storage(),      # TypedStorage
+    lambda: torch.ComplexDoubleStorage(4),                            # a legacy class
+], ids=["typed", "legacy-class"])
+def test_typed_storages_round_trip_through_our_rebuild_and_share(strategy, make):
+    """Typed storages rebuild through torch_mp_ext's rebuild_typed_storage(_child), which
+    checks alignment (test_hostile forges the offset), and still share their memory."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage deprecation
+        s = make()
+        payload = bytes(ForkingPickler.dumps(s))
+        assert b"torch_mp_ext.reductions" in payload and b"rebuild_typed_storage" in payload
+        u = pickle.loads(payload)
+        assert type(u) is type(s) and u.dtype == s.dtype and u.size() == s.size()
+        assert u.data_ptr() == s.data_ptr()  # moved in place, then shared
+        u.fill_(3)
+        assert s.tolist() == [3] * s.size()
+
+
 def test_empty_meta_and_requires_grad(strategy):
     for t in (torch.empty(0), torch.empty(0, 3, dtype=torch.int64), torch.tensor([])):
         u = round_trip(t)

@@ -26,12 +26,12 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # Note [Idle OpenMP threads spin]
 
-import torch  # noqa: E402
+import torch
 
-import torch_mp_ext as mp  # noqa: E402
-from torch_mp_ext import _C  # noqa: E402
-from torch_mp_ext.sharing import records  # noqa: E402
-from torch_mp_ext.sharing.pickling import TAG_RECORD  # noqa: E402
+import torch_mp_ext as mp
+from torch_mp_ext import _C
+from torch_mp_ext.sharing import records
+from torch_mp_ext.sharing.pickling import TAG_RECORD
 
 NUMEL = 1024  # 4 KB of float32
 

@@ -40,13 +40,9 @@ from torch.multiprocessing.reductions import (  # re-exported: same behaviour as
     rebuild_sparse_coo_tensor,
     rebuild_storage_fd,
     rebuild_storage_filename,
-    rebuild_typed_storage,
-    rebuild_typed_storage_child,
     reduce_event,
     reduce_nested_tensor,
     reduce_sparse_tensor,
-    reduce_typed_storage,
-    reduce_typed_storage_child,
 )
 
 from . import _C
@@ -159,6 +155,31 @@ def reduce_storage(storage: torch.UntypedStorage) -> tuple:
     if shared is None:
         return _torch_reductions.reduce_storage(storage)
     return (rebuild_storage, (type(storage), shared[0], shared[1], nbytes))
+
+
+def rebuild_typed_storage(storage: Any, dtype: torch.dtype) -> torch.TypedStorage:
+    """torch's ``rebuild_typed_storage``, refusing a CPU storage that is not aligned for
+    ``dtype``: a forged handle offset placed a complex128 storage at an odd address, and
+    torch's kernels die of SIGSEGV writing such memory (``records.check_aligned``)."""
+    _records.check_storage_aligned(storage, dtype)
+    return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+
+def reduce_typed_storage(storage: torch.TypedStorage) -> tuple:
+    """Pickles a ``TypedStorage`` as its untyped storage (a block handle) and its dtype."""
+    return (rebuild_typed_storage, (storage._untyped_storage, storage.dtype))
+
+
+def rebuild_typed_storage_child(storage: Any, storage_type: Any) -> Any:
+    """torch's ``rebuild_typed_storage_child`` (``torch.FloatStorage`` and the like), with
+    the alignment check of :func:`rebuild_typed_storage`."""
+    _records.check_storage_aligned(storage, storage_type.dtype)
+    return storage_type(wrap_storage=storage, _internal=True)
+
+
+def reduce_typed_storage_child(storage: Any) -> tuple:
+    """Pickles a legacy typed storage (``torch.FloatStorage`` ...) as its untyped storage."""
+    return (rebuild_typed_storage_child, (storage._untyped_storage, type(storage)))
 
 
 # ---- tensors ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from ..errors import CorruptSegmentError
 from . import memory as _memory
 
 __all__ = ["shared_cache", "share_tensor", "share_tensor_deferred", "remember_sent",
-           "share_array", "rebuild", "release", "check_aligned"]
+           "share_array", "rebuild", "release", "check_aligned", "check_storage_aligned"]
 
 class _Cache(SharedCache):
     """torch's ``SharedCache`` with a lock only around its sweep: a locked ``get`` and
@@ -77,7 +77,7 @@ class _StorageRef(StorageWeakRef):
 
     __slots__ = ()
 
-    def __init__(self, storage: torch.UntypedStorage) -> None:  # noqa: super() not called
+    def __init__(self, storage: torch.UntypedStorage) -> None:  # not calling super(): its cost
         self.cdata = storage._weak_ref()
         self._free_weak_ref = _FREE_WEAK_REF
 
@@ -165,6 +165,14 @@ def check_aligned(t: torch.Tensor) -> torch.Tensor:
     if align > 1 and t.data_ptr() % align:
         raise _misaligned(t.dtype, t.data_ptr(), align)
     return t
+
+
+def check_storage_aligned(storage: Any, dtype: torch.dtype) -> None:
+    """CorruptSegmentError if a CPU ``storage`` does not start aligned for ``dtype``
+    (:func:`check_aligned` for typed storages, which have no tensor to check)."""
+    align = min(dtype.itemsize, 16)
+    if align > 1 and storage.device.type == "cpu" and storage.data_ptr() % align:
+        raise _misaligned(dtype, storage.data_ptr(), align)
 
 
 def _rebuild_array(block: _C.Block, code: int, flags: int, offset: int, so: int,
