@@ -252,3 +252,29 @@ def test_an_item_too_large_for_a_tiny_queue_gives_its_reference_back():
     assert _refcount(t) == 1
     q.close()
     q.join_thread()
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+@pytest.mark.parametrize("where", ["first", "inside"])
+def test_a_forged_location_that_is_not_utf8_is_reported_as_the_error_it_causes(strategy, where):
+    """A record naming a segment this process never mapped, at a location that is not
+    UTF-8: the error is the open, connect or address failure quoting it escaped, not a
+    UnicodeDecodeError raised while building the message (found by mutating records)."""
+    prev = mp.get_sharing_strategy()
+    mp.set_sharing_strategy(strategy)
+    try:
+        t = mp.zeros(10)
+        good = records.share_tensor(t)
+        data = bytearray(good)
+        data[16:24] = (0x1234567890ABCDEF).to_bytes(8, "little")  # RecordHead.segment_id
+        data[48:52] = (1).to_bytes(4, "little")  # owner_pid: not this process
+        location_len = int.from_bytes(data[52:56], "little")
+        data[-location_len if where == "first" else -3] = 0xFF  # the location ends the record
+        with pytest.raises((OSError, ValueError)) as info:
+            records.rebuild(bytes(data))
+        assert not isinstance(info.value, UnicodeError)
+        assert "\\xff" in str(info.value)
+        records.release(good)
+        assert _refcount(t) == 1
+    finally:
+        mp.set_sharing_strategy(prev)
