@@ -312,6 +312,7 @@ class _RingQueue:
         if self._closed:
             self._check_closed()
         tp = type(obj)
+        sent = None  # a tensor's (record, key, storage): Note [Sent storages later]
         if tp is bytes:
             tag, data = TAG_BYTES, obj
             if len(obj) > self._ool:
@@ -343,8 +344,8 @@ class _RingQueue:
         if status:
             release_frame(tag, data)  # Note [Failed puts]
             self._raise(status)
-        if tag == TAG_RECORD and tp is _Tensor:
-            remember_sent(sent[1], sent[2])  # type: ignore[index]  # set with this tag  # Note [Sent storages later]
+        if sent is not None:
+            remember_sent(sent[1], sent[2])  # Note [Sent storages later]
 
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
         """Removes and returns the oldest item, waiting for one unless ``block`` is false.

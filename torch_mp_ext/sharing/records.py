@@ -56,7 +56,7 @@ _DTYPES += [d for d in (getattr(torch, n, None) for n in ("uint16", "uint32", "u
             if d is not None]
 _CODES = {d: i for i, d in enumerate(_DTYPES)}
 _ITEMSIZE = [torch.empty((), dtype=d).element_size() for d in _DTYPES]
-_ALIGN = [min(n, 16) for n in _ITEMSIZE]  # check_aligned's rule, per code
+_ALIGN = [min(n, 16) for n in _ITEMSIZE]  # _check_address's rule, per code (hot path)
 _STRIDED = torch.strided
 
 #: numpy dtypes a record carries (native byte order, no objects): the position in this list.
@@ -161,18 +161,15 @@ def check_aligned(t: torch.Tensor) -> torch.Tensor:
     offset put a complex128 tensor at an odd address and torch's own kernels then died of
     SIGSEGV writing it (c10::complex<double> is alignas(16); found by the long fuzz run).
     Storages we share start on block boundaries, so only a forged handle or record fails."""
-    align = min(t.element_size(), 16)
-    if align > 1 and t.data_ptr() % align:
-        raise _misaligned(t.dtype, t.data_ptr(), align)
+    _check_address(t.dtype, t.data_ptr())
     return t
 
 
 def check_storage_aligned(storage: Any, dtype: torch.dtype) -> None:
     """CorruptSegmentError if a CPU ``storage`` does not start aligned for ``dtype``
     (:func:`check_aligned` for typed storages, which have no tensor to check)."""
-    align = min(dtype.itemsize, 16)
-    if align > 1 and storage.device.type == "cpu" and storage.data_ptr() % align:
-        raise _misaligned(dtype, storage.data_ptr(), align)
+    if storage.device.type == "cpu":
+        _check_address(dtype, storage.data_ptr())
 
 
 def _rebuild_array(block: _C.Block, code: int, flags: int, offset: int, so: int,
@@ -183,10 +180,14 @@ def _rebuild_array(block: _C.Block, code: int, flags: int, offset: int, so: int,
     return arr
 
 
-def _misaligned(dtype: torch.dtype, address: int, align: int) -> CorruptSegmentError:
-    return CorruptSegmentError(
-        f"a shared tensor handle places a {dtype} tensor at address {address:#x}, which is "
-        f"not {align}-byte aligned: the handle was forged or corrupted")
+def _check_address(dtype: torch.dtype, address: int) -> None:
+    """The one alignment rule: data of ``dtype`` starts on a multiple of its item size, up
+    to 16 (c10::complex<double> is alignas(16)); else CorruptSegmentError."""
+    align = min(dtype.itemsize, 16)
+    if address % align:
+        raise CorruptSegmentError(
+            f"a shared tensor handle places a {dtype} tensor at address {address:#x}, which "
+            f"is not {align}-byte aligned: the handle was forged or corrupted")
 
 
 def rebuild(data: bytes) -> Any:
@@ -208,11 +209,11 @@ def rebuild(data: bytes) -> Any:
         del block  # the reference the record carried
         t = check_aligned(torch.empty((0,), dtype=dtype).set_(storage, so, sizes, strides))
     else:
-        # check_aligned's rule on the address the view will have (a forged offset raises
-        # before any tensor exists); torch checks the extent against the block.
+        # The rule on the address the view will have (a forged offset raises before any
+        # tensor exists); torch checks the extent against the block.
         if (address + so * _ITEMSIZE[code]) % _ALIGN[code]:
             del block
-            raise _misaligned(dtype, address + so * _ITEMSIZE[code], _ALIGN[code])
+            _check_address(dtype, address + so * _ITEMSIZE[code])
         try:
             if flags & DENSE:
                 t = torch.frombuffer(block, dtype=dtype, count=nbytes // _ITEMSIZE[code],
