@@ -57,7 +57,18 @@ assert _C.audit() == [], _C.audit()
 h = b.share()
 assert _C.audit() == [], _C.audit()
 _C.release_handle(h)
-_C.release_handle(h)  # a handle redeemed twice: the block is freed under b
+# A peer that drops a reference it does not hold: a handle released twice, its spent ticket
+# (Note [Tickets]) forged back first. The block is freed under b.
+import ctypes
+layout = dict((name, (offset, size)) for name, offset, size in _C.segment_layout())
+def field(name):
+    return ctypes.c_uint64.from_address(b.segment_address + layout[name][0]).value
+index = (b.address - b.segment_address - field("data_offset")) // field("block_size")
+slot_size = layout["slots"][1]
+tickets = ctypes.c_uint64.from_address(
+    b.segment_address + layout["slots"][0] + index * slot_size + slot_size - 8)
+tickets.value += 1
+_C.release_handle(h)
 print(_C.audit())
 """
 

@@ -678,7 +678,10 @@ def _sender_at_fd_limit(q, go_on, done):
     done.wait(60)
 
 
-def test_a_sender_at_its_fd_limit_names_the_limit():
+def test_a_sender_at_its_fd_limit_still_passes_its_segments():
+    """Note [A server at its fd limit]: the answer passes the segment's own fd, so a sender
+    with every fd below its limit open still hands its tensors over (issue 35 D3: it
+    answered EMFILE, and the handles in flight kept its blocks live for ever)."""
     import multiprocessing
 
     q = torch_mp_ext.Queue()
@@ -687,15 +690,10 @@ def test_a_sender_at_its_fd_limit_names_the_limit():
     sender = ctx.Process(target=_sender_at_fd_limit, args=(q, go_on, done))
     sender.start()
     try:
-        limit = q.get(timeout=60)
-        with pytest.raises(OSError) as info:
-            q.get(timeout=60)
-        message = str(info.value)
-        assert f"RLIMIT_NOFILE={limit}" in message, message
-        assert "ulimit -n" in message and "file_system" in message, message
-        assert "did not answer" not in message, message
+        q.get(timeout=60)  # the sender's limit
+        assert q.get(timeout=60).shape == (300000,)  # at the limit
         go_on.set()
-        assert q.get(timeout=60).shape == (300000,)  # and it recovers
+        assert q.get(timeout=60).shape == (300000,)  # and below it again
     finally:
         go_on.set()
         done.set()

@@ -129,11 +129,13 @@ void FdServer::atfork_child() {
 }
 
 void FdServer::serve(int listen_fd) {
-  // Note [A server at its fd limit]: a receiver must hear that this process cannot open one
-  // more fd, not time out waiting for an accept() that keeps failing with EMFILE. So the
-  // server keeps one spare fd; at the limit it gives the spare up for the connection and
-  // answers it (the dup of the segment's fd then fails with EMFILE, which the receiver turns
-  // into an error naming this process's RLIMIT_NOFILE and the fix), then takes it back.
+  // Note [A server at its fd limit]: a process at its fd limit (each anonymous segment it
+  // created holds one) must still answer, or the handles in flight to its blocks could be
+  // neither redeemed nor given back, and its blocks would stay live for ever (issue 35 D3).
+  // The answer passes the segment's own fd (Registry::with_fd_for), so it needs no new fd;
+  // the connection does. So the server keeps one spare fd; at the limit it gives the spare up
+  // for the connection and answers it, then takes it back. Only when even that fails (the
+  // spare is gone) does a receiver time out, and its error names the owner's limit.
   UniqueFd& spare = spare_;  // only this thread touches it once the server runs
   for (;;) {
     int conn = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
@@ -184,14 +186,18 @@ void FdServer::answer(int conn) {
     if (n <= 0) return;
     got += static_cast<size_t>(n);
   }
-  UniqueFd fd;
-  if (status == 0) {
-    errno = 0;  // dup_fd_for sets it only when the dup itself fails
-    fd.reset(Registry::instance().dup_fd_for(req.segment_id, req.secret));
-    if (!fd.valid()) status = (errno == EMFILE || errno == ENFILE) ? errno : ENOENT;
+  // The segment's own fd is passed, under the registry mutex, never a dup: an owner at its
+  // fd limit (each of its anonymous segments holds one) must still answer, or the handles in
+  // flight could be neither redeemed nor given back (issue 35 D3). The answer is a few bytes
+  // on an idle socket with a send timeout: it does not block.
+  if (status == 0 &&
+      Registry::instance().with_fd_for(req.segment_id, req.secret, [&](int fd) {
+        send_fds(conn, &status, sizeof(status), &fd, 1);
+      })) {
+    return;
   }
-  int raw = fd.get();
-  send_fds(conn, &status, sizeof(status), fd.valid() ? &raw : nullptr, fd.valid() ? 1 : 0);
+  if (status == 0) status = ENOENT;
+  send_fds(conn, &status, sizeof(status), nullptr, 0);
 }
 
 namespace {

@@ -346,6 +346,9 @@ survivors do, and report any a dead process still holds.)pbdoc");
   m.def("_set_fork_child_delay", &set_fork_child_delay_for_tests, py::arg("milliseconds"),
         R"pbdoc(Test hook: forked children wait this long before marking the blocks they
         inherited (Note [Mappings and fork]).)pbdoc");
+  m.def("_set_attach_delay", &set_attach_delay_for_tests, py::arg("milliseconds"),
+        R"pbdoc(Test hook: attach and release_handle wait this long between mapping a
+        segment and using it (Note [One critical section per lookup]).)pbdoc");
   m.def("reclaim_dead_holders",
         [] {
           return guarded("reclaimed dead holders' blocks",

@@ -29,6 +29,7 @@ uint64_t next_pow2(uint64_t n) {
 
 void init_allocated(Mapping& m, uint32_t index) {
   BlockSlot& slot = m.slots()[index];
+  tickets_of(slot).store(0, std::memory_order_relaxed);  // Note [Tickets]
   slot.generation.fetch_add(1, std::memory_order_acq_rel);
   slot.refcount.store(1, std::memory_order_release);
   m.header()->live_blocks.fetch_add(1, std::memory_order_acq_rel);
@@ -319,7 +320,7 @@ size_t Arena::reclaim_locked(const std::vector<std::shared_ptr<Mapping>>& segmen
 size_t Arena::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [size, segments] : pools_) reclaim_locked(segments);
-  Registry::instance().drop_orphaned_idle();  // Note [Idle mappings of a gone owner]
+  Registry::instance().drop_idle(/*all=*/true);  // Note [Idle mappings under a limit]
   reclaim_locked(sparse_);
   size_t released = retire_free_sparse_locked();
   return released + trim_locked(0);

@@ -45,6 +45,19 @@
 // one): for each, it clears the dead holder's bits one by one with an atomic AND (whoever
 // clears a bit drops that one reference), then frees the slot. So a SIGKILLed receiver's
 // tensors go back to the pool while their owner lives on.
+//
+// Note [Tickets]
+// A handle in flight carries one counted reference, and it must be spent exactly once. Each
+// arena block therefore counts its handles in flight as tickets (BlockSlot::tag, which only
+// counter files use otherwise): BlockRef::share() adds one with the reference, and redeeming
+// the handle (Registry::attach) or giving it back (Registry::release_handle) takes one with a
+// floored compare-and-swap, after checking the block's generation. A handle with no ticket
+// left (the same pickle loaded twice, or a record forged from a seen one) finds none and
+// raises CorruptSegmentError: it can never drop a reference that someone else holds, which
+// once put a block back on the free stack under a live tensor (issue 26). Allocation sets
+// the count to 0 with the new generation. Tickets are counted, not named: with two handles
+// to one block in flight, loading one twice spends the other's ticket, and that handle then
+// raises and leaks its reference until the owner exits. That is the price; aliasing never is.
 #pragma once
 
 #include <atomic>
@@ -57,7 +70,8 @@ namespace torch_mp_ext {
 
 constexpr uint64_t SEGMENT_MAGIC = 0x314d474553584d54ULL;  // "TMXSEGM1" little-endian
 /// 3: holder words carry the flags of Note [Holder tables] (FOREIGN is new).
-constexpr uint32_t LAYOUT_VERSION = 3;
+/// 4: arena blocks count their handles in flight (Note [Tickets]).
+constexpr uint32_t LAYOUT_VERSION = 4;
 /// Processes that can be registered as holders of one named segment (Note [Holder table]).
 constexpr size_t MAX_HOLDERS = 128;
 /// Bytes for a segment name, including the leading '/' and the terminating NUL.
@@ -80,7 +94,8 @@ struct BlockSlot {
   std::atomic<uint32_t> next;        ///< free-stack link (index of the next free block)
   std::atomic<uint32_t> generation;  ///< bumped at each allocation; handles carry it
   HolderSlot holder;                 ///< counters only: the receiving process (its key)
-  std::atomic<uint64_t> tag;         ///< counters only: what the slot keeps alive (0: untagged)
+  std::atomic<uint64_t> tag;  ///< counters: what the slot keeps alive (0: untagged); arena
+                              ///< blocks: handles in flight (Note [Tickets])
 };
 static_assert(sizeof(BlockSlot) == 32, "BlockSlot is part of the shared layout");
 
@@ -138,6 +153,19 @@ inline void mask_set(HolderMask& mask, int holder) {
 inline bool mask_clear(HolderMask& mask, int holder) {
   uint64_t bit = uint64_t{1} << (holder % 64);
   return mask.bits[holder / 64].fetch_and(~bit, std::memory_order_acq_rel) & bit;
+}
+
+/// Note [Tickets]: an arena block's count of handles in flight.
+inline std::atomic<uint64_t>& tickets_of(BlockSlot& slot) { return slot.tag; }
+
+/// Takes one ticket; false when none is left (never below zero).
+inline bool take_ticket(BlockSlot& slot) {
+  auto& tickets = tickets_of(slot);
+  uint64_t n = tickets.load(std::memory_order_acquire);
+  while (n > 0) {
+    if (tickets.compare_exchange_weak(n, n - 1, std::memory_order_acq_rel)) return true;
+  }
+  return false;
 }
 
 // ---- lock-free free stack (Treiber stack with an ABA tag) -------------------------------

@@ -17,6 +17,7 @@
 #include "shm/arena.h"
 #include "shm/session.h"
 #include "shm/sigbus.h"
+#include "shm/unmapper.h"
 
 namespace torch_mp_ext {
 
@@ -111,7 +112,9 @@ uint32_t BlockRef::generation() const {
 Handle BlockRef::share() const {
   TMX_CHECK_VALUE(live_, "this block was already released");
   SegmentHeader* h = mapping_->header();
-  mapping_->slots()[index_].refcount.fetch_add(1, std::memory_order_acq_rel);
+  BlockSlot& slot = mapping_->slots()[index_];
+  slot.refcount.fetch_add(1, std::memory_order_acq_rel);
+  tickets_of(slot).fetch_add(1, std::memory_order_acq_rel);  // Note [Tickets]
   h->inflight.fetch_add(1, std::memory_order_acq_rel);
   Handle out;
   out.named = mapping_->named();
@@ -151,11 +154,15 @@ std::shared_ptr<Mapping> Registry::insert_locked(std::shared_ptr<Mapping> mappin
   return mapping;
 }
 
+// Erases this very mapping, never another one of the same segment id (issue 26: erasing by
+// id alone could drop a live mapping that replaced it, and a later fork then over-dropped).
 void Registry::erase_locked(const std::shared_ptr<Mapping>& mapping) {
   mapping->deregister_holder();
   idle_.remove(mapping);
-  by_address_.erase(reinterpret_cast<uintptr_t>(mapping->data_begin()));
-  by_id_.erase(mapping->id());
+  auto at = by_address_.find(reinterpret_cast<uintptr_t>(mapping->data_begin()));
+  if (at != by_address_.end() && at->second == mapping.get()) by_address_.erase(at);
+  auto it = by_id_.find(mapping->id());
+  if (it != by_id_.end() && it->second == mapping) by_id_.erase(it);
 }
 
 void Registry::add_owned_locked(const std::shared_ptr<Mapping>& mapping) {
@@ -280,17 +287,49 @@ size_t Registry::sweep_idle_locked(bool check_owners) {
   return drop.size();
 }
 
-size_t Registry::drop_orphaned_idle() {
+size_t Registry::drop_idle(bool all) {
   std::lock_guard<std::mutex> lock(mu_);
-  return sweep_idle_locked(true);
+  if (!all) return sweep_idle_locked(true);
+  std::vector<std::shared_ptr<Mapping>> drop(idle_.begin(), idle_.end());
+  for (const auto& mapping : drop) unmap_locked(mapping);
+  return drop.size();
 }
 
-std::shared_ptr<Mapping> Registry::map_handle(const Handle& handle, double timeout) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (auto found = find_locked(handle.segment_id)) return found;
+namespace {
+
+/// Test hook (Note [One critical section per lookup]): attach() and release_handle() sleep
+/// this long between mapping a segment and using the mapping.
+std::atomic<int> g_attach_delay_ms{0};
+
+void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  while (::nanosleep(&ts, &ts) != 0 && errno == EINTR) {
   }
-  // Map without the lock: fetching an fd may wait for the owner.
+}
+
+/// A mapping found by id serves a handle only if the handle proves it knows the segment: the
+/// secret of an anonymous one, the name of a named one. Without this, a handle forged from a
+/// seen (segment, index, generation) could drop references in segments its sender cannot map.
+void check_credentials(const Handle& handle, Mapping& mapping) {
+  bool ok = handle.named ? (mapping.named() && handle.location == mapping.name())
+                         : (!mapping.named() && handle.secret == mapping.header()->secret);
+  if (!ok) {
+    throw CorruptSegmentError(detail::str_cat(
+        "a handle names shared memory segment ", mapping.describe(), " with the wrong ",
+        handle.named ? "name" : "secret",
+        ": it is forged or corrupt (handles come only from pickling a shared tensor)"));
+  }
+}
+
+bool out_of_room(const SyscallError& e) {
+  return e.err() == ENOMEM || e.err() == EMFILE || e.err() == ENFILE;
+}
+
+}  // namespace
+
+void set_attach_delay_for_tests(int milliseconds) { g_attach_delay_ms.store(milliseconds); }
+
+std::shared_ptr<Mapping> Registry::map_new(const Handle& handle, double timeout) {
   std::shared_ptr<Mapping> mapping;
   if (handle.named) {
     mapping = open_named_segment(handle.location, handle.segment_id, handle.size);
@@ -304,15 +343,70 @@ std::shared_ptr<Mapping> Registry::map_handle(const Handle& handle, double timeo
                                               " is ", mapping->size(),
                                               " bytes but the handle says ", handle.size));
   }
+  return mapping;
+}
+
+// Note [Idle mappings under a limit]
+// A receiver at its address-space limit (RLIMIT_AS: mmap fails with ENOMEM) or its fd limit
+// may be so only because of what it keeps for speed: idle mappings of live owners (up to
+// MAX_IDLE_MAPPINGS) and, as an owner itself, cached free segments (one fd each). Before a
+// map that failed for room is reported, all of those go (and pending unmaps finish), and the
+// map is tried once more: a receiver that dropped what it held receives again.
+std::shared_ptr<Mapping> Registry::map_handle(const Handle& handle, double timeout) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto found = find_locked(handle.segment_id)) {
+      check_credentials(handle, *found);
+      return found;
+    }
+  }
+  // Map without the lock: fetching an fd may wait for the owner.
+  std::shared_ptr<Mapping> mapping;
+  try {
+    mapping = map_new(handle, timeout);
+  } catch (const SyscallError& e) {
+    if (!out_of_room(e)) throw;
+    Arena::instance().empty_cache();  // takes the arena, then this registry's mutex
+    drop_idle(/*all=*/true);
+    finish_pending_unmaps();
+    mapping = map_new(handle, timeout);
+  }
   std::lock_guard<std::mutex> lock(mu_);
   auto kept = insert_locked(mapping);
   if (kept == mapping) sweep_idle_locked(true);
   return kept;
 }
 
-std::unique_ptr<BlockRef> Registry::attach(const Handle& handle, double timeout) {
-  auto mapping = map_handle(handle, timeout);
-  std::lock_guard<std::mutex> lock(mu_);
+// Note [One critical section per lookup]
+// map_handle() maps without the registry mutex (an fd fetch may wait for the owner), so the
+// mapping it returns may have been unmapped and erased by another thread (its last local
+// reference dropped) before the caller locks again. Using it then would count a reference on
+// a mapping the registry no longer knows, beside a fresh mapping of the same segment. So
+// attach() and release_handle() check, under the lock in which they use it, that the mapping
+// is still the registry's one for that id, and look it up again if not.
+std::shared_ptr<Mapping> Registry::lock_mapping(const Handle& handle, double timeout,
+                                                std::unique_lock<std::mutex>* lock) {
+  for (int attempt = 0;; ++attempt) {
+    auto mapping = map_handle(handle, timeout);
+    if (mapping->id() != handle.segment_id) {
+      throw CorruptSegmentError(detail::str_cat(
+          "a handle names shared memory segment ", handle.segment_id, " but ",
+          mapping->describe(), " is segment ", mapping->id(), ": the handle is forged or the "
+          "segment was replaced"));
+    }
+    if (int delay = g_attach_delay_ms.load()) sleep_ms(delay);
+    lock->lock();
+    if (find_locked(mapping->id()) == mapping) return mapping;
+    lock->unlock();
+    // Unmapped under us: map again. Each round needs another thread to unmap it meanwhile.
+    TMX_CHECK(attempt < 100, "shared memory segment ", handle.segment_id,
+              " was unmapped under this thread 100 times while it attached a handle");
+  }
+}
+
+BlockSlot& Registry::check_block_locked(const Handle& handle,
+                                        const std::shared_ptr<Mapping>& mapping,
+                                        const char* action) {
   try {
     if (mapping->kind() != SegmentKind::Arena) {
       throw CorruptSegmentError(detail::str_cat("shared memory segment ", mapping->describe(),
@@ -320,27 +414,57 @@ std::unique_ptr<BlockRef> Registry::attach(const Handle& handle, double timeout)
     }
     TMX_CHECK_VALUE(handle.index < mapping->nblocks(), "block index ", handle.index,
                     " out of range for segment ", handle.segment_id);
-    uint32_t generation = mapping->slots()[handle.index].generation.load();
+    BlockSlot& slot = mapping->slots()[handle.index];
+    uint32_t generation = slot.generation.load(std::memory_order_acquire);
+    if (generation == 0) {  // never, for a block ever handed out: its page reads as zeros
+      throw CorruptSegmentError(detail::str_cat(
+          "cannot ", action, " a handle: shared memory segment ", mapping->describe(),
+          " is corrupt (block ", handle.index, " has generation 0: was the file truncated or "
+          "overwritten by another process?); the file_descriptor sharing strategy's segments "
+          "cannot be truncated"));
+    }
     if (generation != handle.generation) {
       throw CorruptSegmentError(detail::str_cat(
-          "stale handle: block ", handle.index, " of segment ", handle.segment_id,
-          " was freed and reused (generation ", generation, ", handle ", handle.generation,
-          "); the reference this handle carried was dropped twice"));
+          "cannot ", action, " a stale handle: block ", handle.index, " of segment ",
+          handle.segment_id, " was freed and reused (generation ", generation, ", handle ",
+          handle.generation, "); the handle was used already (a pickle loaded twice?) or is "
+          "forged"));
     }
+    // Note [Tickets]: the ticket is taken while the block's generation is the handle's; the
+    // reference the ticket stands for keeps it so, and a second look catches a spent handle
+    // racing a reuse.
+    if (!take_ticket(slot)) {
+      throw CorruptSegmentError(detail::str_cat(
+          "cannot ", action, " a spent handle: block ", handle.index,
+          " of shared memory segment ", mapping->describe(), " has no handle in flight left, "
+          "so this one was used already (a pickle loaded twice, or a message read twice) or "
+          "is forged. No reference is taken or dropped; pickle the tensor once per "
+          "receiver"));
+    }
+    if (slot.generation.load(std::memory_order_acquire) != handle.generation) {
+      tickets_of(slot).fetch_add(1, std::memory_order_acq_rel);  // not ours: give it back
+      throw CorruptSegmentError(detail::str_cat(
+          "cannot ", action, " a stale handle: block ", handle.index, " of segment ",
+          handle.segment_id, " was reused meanwhile (the handle was used already)"));
+    }
+    return slot;
   } catch (...) {
     maybe_unmap_locked(mapping);  // a bad handle leaves no mapping behind
     throw;
   }
+}
+
+std::unique_ptr<BlockRef> Registry::attach(const Handle& handle, double timeout) {
+  std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+  auto mapping = lock_mapping(handle, timeout, &lock);
+  check_block_locked(handle, mapping, "redeem");
   return adopt_locked(mapping, handle.index, /*redeem=*/true);
 }
 
 void Registry::release_handle(const Handle& handle, double timeout) {
-  auto mapping = map_handle(handle, timeout);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (handle.index >= mapping->nblocks() || mapping->kind() != SegmentKind::Arena) {
-    maybe_unmap_locked(mapping);  // not a block of this segment: nothing to drop
-    return;
-  }
+  std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+  auto mapping = lock_mapping(handle, timeout, &lock);
+  check_block_locked(handle, mapping, "release");
   drop_inflight(mapping->header());
   decref_block(*mapping, handle.index);
   maybe_unmap_locked(mapping);
@@ -397,12 +521,14 @@ bool Registry::share_address(uintptr_t address, size_t nbytes, Handle* out, size
   return true;
 }
 
-int Registry::dup_fd_for(uint64_t segment_id, uint64_t secret) {
+bool Registry::with_fd_for(uint64_t segment_id, uint64_t secret,
+                           const std::function<void(int)>& use) {
   std::lock_guard<std::mutex> lock(mu_);
   auto mapping = find_locked(segment_id);
-  if (!mapping || !mapping->owned || mapping->fd() < 0) return -1;
-  if (mapping->header()->secret != secret) return -1;
-  return ::fcntl(mapping->fd(), F_DUPFD_CLOEXEC, 0);
+  if (!mapping || !mapping->owned || mapping->fd() < 0) return false;
+  if (mapping->header()->secret != secret) return false;
+  use(mapping->fd());
+  return true;
 }
 
 void Registry::retire_locked(const std::shared_ptr<Mapping>& mapping) {

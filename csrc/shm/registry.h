@@ -37,6 +37,7 @@
 
 #include <cstdint>
 #include <list>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -122,8 +123,10 @@ class Registry {
   /// True if [address, address + nbytes) lies in one live block of this process's mappings.
   bool contains(uintptr_t address, size_t nbytes);
 
-  /// The fd of an owned anonymous segment, dup()ed, for the fd server; -1 if unknown.
-  int dup_fd_for(uint64_t segment_id, uint64_t secret);
+  /// Calls `use` with the fd of an owned anonymous segment, under the registry mutex (so the
+  /// fd stays open meanwhile, and passing it needs no spare fd: a sender at its fd limit
+  /// still answers, issue 35 D3); false if the segment or secret is unknown.
+  bool with_fd_for(uint64_t segment_id, uint64_t secret, const std::function<void(int)>& use);
   /// Retires an owned segment whose blocks are all free (arena cache trimming).
   void retire_locked(const std::shared_ptr<Mapping>& mapping);
 
@@ -131,8 +134,8 @@ class Registry {
   /// destructions are no-ops.
   void release_all();
   /// Unmaps idle mappings of segments whose owner retired them or is gone (Note [Idle
-  /// mappings of a gone owner]); returns how many.
-  size_t drop_orphaned_idle();
+  /// mappings of a gone owner]), or every idle mapping with `all`; returns how many.
+  size_t drop_idle(bool all);
   /// Drops the references of dead processes on every mapped segment (Note [Dead holders]);
   /// returns how many were dropped.
   size_t reclaim_dead_holders();
@@ -156,6 +159,11 @@ class Registry {
  private:
   Registry();
   std::shared_ptr<Mapping> map_handle(const Handle& handle, double timeout);
+  std::shared_ptr<Mapping> map_new(const Handle& handle, double timeout);
+  std::shared_ptr<Mapping> lock_mapping(const Handle& handle, double timeout,
+                                        std::unique_lock<std::mutex>* lock);
+  BlockSlot& check_block_locked(const Handle& handle, const std::shared_ptr<Mapping>& mapping,
+                                const char* action);
   std::shared_ptr<Mapping> find_locked(uint64_t id);
   Mapping* locate_locked(uintptr_t address, size_t nbytes, uint32_t* index, size_t* offset);
   std::shared_ptr<Mapping> insert_locked(std::shared_ptr<Mapping> mapping);
@@ -187,5 +195,8 @@ uint64_t refcount_underflows();
 /// Test hook (Note [Mappings and fork]): the atfork child handler of later forks sleeps
 /// `milliseconds` before marking its blocks, widening the window a parent's drop races.
 void set_fork_child_delay_for_tests(int milliseconds);
+/// Test hook (Note [One critical section per lookup] in registry.cpp): attach() and
+/// release_handle() sleep `milliseconds` between mapping a segment and locking to use it.
+void set_attach_delay_for_tests(int milliseconds);
 
 }  // namespace torch_mp_ext
