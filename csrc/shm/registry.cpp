@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <signal.h>
 #include <time.h>
 
@@ -329,14 +331,70 @@ bool out_of_room(const SyscallError& e) {
 
 void set_attach_delay_for_tests(int milliseconds) { g_attach_delay_ms.store(milliseconds); }
 
-std::shared_ptr<Mapping> Registry::map_new(const Handle& handle, double timeout) {
+// Note [A receive that cannot map]
+// A handle whose segment cannot be mapped (the receiver is at its address-space or fd limit
+// even after Note [Idle mappings under a limit]) still carries its reference: left alone, the
+// owner's block stays live until the owner exits (issue 35 D3/D4: a sender that could never
+// allocate again). So before the error is raised, the reference is given back through a
+// mapping of only the header and the block's slot (a page or two): its ticket taken, its
+// `inflight` and refcount dropped exactly as release_handle() would. If even that cannot be
+// mapped, the reference stays (a leak until the owner exits, never an early free).
+static void give_back_unmapped(int fd, const Handle& handle) {
+  size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  size_t span = slots_offset() + (static_cast<size_t>(handle.index) + 1) * sizeof(BlockSlot);
+  span = (span + page - 1) / page * page;
+  if (fd < 0 || span > handle.size) return;
+  void* base = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) return;
+  {
+    SigbusGuard guard;  // a truncated file reads as zeros: then nothing matches below
+    auto* h = static_cast<SegmentHeader*>(base);
+    if (h->magic == SEGMENT_MAGIC && h->layout_version == LAYOUT_VERSION &&
+        h->segment_id == handle.segment_id &&
+        h->kind == static_cast<uint32_t>(SegmentKind::Arena) && handle.index < h->nblocks) {
+      BlockSlot& slot = slots_of(h)[handle.index];
+      if (slot.generation.load(std::memory_order_acquire) == handle.generation &&
+          take_ticket(slot)) {
+        drop_inflight(h);
+        int64_t left = slot.refcount.fetch_sub(1, std::memory_order_acq_rel) - 1;
+        if (left < 0) {
+          slot.refcount.fetch_add(1, std::memory_order_acq_rel);
+        } else if (left == 0) {
+          uint32_t flags = h->flags.load(std::memory_order_acquire);
+          if (flags & FLAG_UNLINK_ON_ZERO) unlink_name(handle.location);
+          if (flags & FLAG_FREE_ON_ZERO) {
+            free_push(h, handle.index);
+            h->live_blocks.fetch_sub(1, std::memory_order_acq_rel);
+          }
+        }
+      }
+    }
+  }
+  ::munmap(base, span);
+}
+
+std::shared_ptr<Mapping> Registry::map_new(const Handle& handle, double timeout,
+                                           bool give_back) {
   std::shared_ptr<Mapping> mapping;
   if (handle.named) {
-    mapping = open_named_segment(handle.location, handle.segment_id, handle.size);
+    try {
+      mapping = open_named_segment(handle.location, handle.segment_id, handle.size);
+    } catch (const SyscallError& e) {
+      if (give_back && e.err() == ENOMEM) {
+        UniqueFd fd(::shm_open(handle.location.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0));
+        give_back_unmapped(fd.get(), handle);
+      }
+      throw;
+    }
   } else {
     UniqueFd fd = fetch_fd(handle.location, handle.segment_id, handle.secret,
                            handle.owner_pid, timeout);
-    mapping = map_segment_fd(std::move(fd), handle.segment_id, handle.size);
+    try {
+      mapping = map_segment_fd(fd, handle.segment_id, handle.size);
+    } catch (const SyscallError& e) {
+      if (give_back && out_of_room(e)) give_back_unmapped(fd.get(), handle);
+      throw;
+    }
   }
   if (mapping->size() != handle.size) {
     throw CorruptSegmentError(detail::str_cat("shared memory segment ", handle.segment_id,
@@ -369,7 +427,7 @@ std::shared_ptr<Mapping> Registry::map_handle(const Handle& handle, double timeo
     Arena::instance().empty_cache();  // takes the arena, then this registry's mutex
     drop_idle(/*all=*/true);
     finish_pending_unmaps();
-    mapping = map_new(handle, timeout);
+    mapping = map_new(handle, timeout, /*give_back=*/true);
   }
   std::lock_guard<std::mutex> lock(mu_);
   auto kept = insert_locked(mapping);

@@ -159,7 +159,9 @@ class Registry {
  private:
   Registry();
   std::shared_ptr<Mapping> map_handle(const Handle& handle, double timeout);
-  std::shared_ptr<Mapping> map_new(const Handle& handle, double timeout);
+  /// `give_back`: a map that fails for room gives the handle's reference back first (Note
+  /// [A receive that cannot map] in registry.cpp).
+  std::shared_ptr<Mapping> map_new(const Handle& handle, double timeout, bool give_back = false);
   std::shared_ptr<Mapping> lock_mapping(const Handle& handle, double timeout,
                                         std::unique_lock<std::mutex>* lock);
   BlockSlot& check_block_locked(const Handle& handle, const std::shared_ptr<Mapping>& mapping,

@@ -445,7 +445,7 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
   return mapping;
 }
 
-std::shared_ptr<Mapping> map_segment_fd(UniqueFd fd, uint64_t expected_id,
+std::shared_ptr<Mapping> map_segment_fd(UniqueFd& fd, uint64_t expected_id,
                                         uint64_t expected_size) {
   std::string resource = "fd " + std::to_string(fd.get()) + " of segment " +
                          std::to_string(expected_id);

@@ -118,9 +118,10 @@ class Mapping {
 /// named ones close it. Partial work is rolled back before an error is thrown.
 std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec);
 
-/// Maps a segment from a received fd and validates it; the fd is closed after mapping.
-/// `expected_size` (0: unknown) is checked before anything is mapped.
-std::shared_ptr<Mapping> map_segment_fd(UniqueFd fd, uint64_t expected_id,
+/// Maps a segment from a received fd and validates it; the fd is closed once it is mapped
+/// (on failure the caller keeps it). `expected_size` (0: unknown) is checked before anything
+/// is mapped.
+std::shared_ptr<Mapping> map_segment_fd(UniqueFd& fd, uint64_t expected_id,
                                         uint64_t expected_size = 0);
 
 /// Opens a named segment (file_system strategy) and validates it.
