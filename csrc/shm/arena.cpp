@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <thread>
 
 #include "common/arith.h"
@@ -83,6 +84,7 @@ std::unique_ptr<BlockRef> Arena::take_locked(const std::shared_ptr<Mapping>& map
     throw;
   }
   if (index == NO_BLOCK) return nullptr;
+  mapping->idle_ticks = 0;  // Note [Pooled names]: in use since the expiry thread last looked
   init_allocated(*mapping, index);
   auto& registry = Registry::instance();
   std::lock_guard<std::mutex> lock(registry.mutex());
@@ -127,11 +129,7 @@ std::unique_ptr<BlockRef> Arena::allocate(size_t nbytes, bool named) {
   for (auto it = pool.rbegin(); it != pool.rend(); ++it) {
     if (auto ref = take_locked(*it)) return ref;
   }
-  if (!pool.empty() && reclaim_locked(pool) > 0) {  // dead receivers' blocks come back
-    for (auto it = pool.rbegin(); it != pool.rend(); ++it) {
-      if (auto ref = take_locked(*it)) return ref;
-    }
-  }
+  if (!pool.empty()) request_reclaim_locked();  // dead receivers' blocks come back later
   size_t cached = 0;
   for (auto& [size, segments] : pools_) {
     for (auto& m : segments) {
@@ -147,6 +145,32 @@ std::unique_ptr<BlockRef> Arena::allocate(size_t nbytes, bool named) {
     std::thread([this] { expire_named(); }).detach();
   }
   return ref;
+}
+
+// Note [Reclaiming off the allocation path] in arena.h.
+void Arena::request_reclaim_locked() {
+  reclaim_wanted_ = true;
+  if (reclaimer_running_) {
+    reclaim_cv_.notify_one();
+    return;
+  }
+  reclaimer_running_ = true;
+  std::thread([this] { reclaim_loop(); }).detach();
+}
+
+void Arena::reclaim_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    reclaim_cv_.wait(lock, [this] { return reclaim_wanted_; });
+    reclaim_wanted_ = false;
+    std::vector<std::shared_ptr<Mapping>> segments;
+    for (auto& [key, pool] : pools_) segments.insert(segments.end(), pool.begin(), pool.end());
+    lock.unlock();
+    Registry::reclaim_segments(segments);
+    segments.clear();  // a segment retired meanwhile may be unmapped here
+    std::this_thread::sleep_for(std::chrono::milliseconds(RECLAIM_INTERVAL_MS));
+    lock.lock();
+  }
 }
 
 std::unique_ptr<BlockRef> Arena::allocate_dedicated(size_t nbytes) {
@@ -385,6 +409,9 @@ void Arena::atfork_child() {
   sparse_.clear();
   pools_.clear();  // the parent keeps allocating from its segments; the child makes its own
   expiry_running_ = false;  // the parent's expiry thread was not forked
+  reclaimer_running_ = false;  // nor its reclaim thread, which may have been waiting on
+  reclaim_wanted_ = false;     // the condition variable: a fresh one has no phantom waiter
+  new (&reclaim_cv_) std::condition_variable();
   mu_.unlock();
 }
 

@@ -246,6 +246,32 @@ size_t Registry::reclaim_locked(Mapping& mapping) {
   return reclaimed;
 }
 
+size_t Registry::reclaim_segments(const std::vector<std::shared_ptr<Mapping>>& segments) {
+  std::unordered_map<uint64_t, bool> verdicts;  // holder word -> dead
+  size_t reclaimed = 0;
+  SigbusGuard guard;  // a truncated file reads as zeros here (Note [Truncated under us])
+  for (const auto& mapping : segments) {
+    SegmentHeader* h = mapping->header();
+    HolderMask* masks = mapping->masks();
+    if (masks == nullptr) continue;
+    const uint64_t home = h->pidns;
+    auto dead = [&](uint64_t word) {
+      auto it = verdicts.find(word);
+      if (it == verdicts.end()) it = verdicts.emplace(word, holder_word_dead(word, home)).first;
+      return it->second;
+    };
+    holders_of(h).reap_judged(dead, [&](size_t slot) {  // Note [Dead holders]
+      for (uint32_t i = 0; i < mapping->nblocks(); ++i) {
+        if (mask_clear(masks[i], static_cast<int>(slot))) {
+          decref_block(*mapping, i);
+          ++reclaimed;
+        }
+      }
+    });
+  }
+  return reclaimed;
+}
+
 size_t Registry::reclaim_dead_holders() {
   std::lock_guard<std::mutex> lock(mu_);
   size_t reclaimed = 0;

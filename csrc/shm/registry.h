@@ -140,6 +140,10 @@ class Registry {
   /// returns how many were dropped.
   size_t reclaim_dead_holders();
   size_t reclaim_locked(Mapping& mapping);
+  /// Note [Reclaiming off the allocation path] (arena.h): reclaim_locked for many segments,
+  /// without the registry mutex (it only touches shared memory, and `segments` keeps them
+  /// mapped), judging each process once.
+  static size_t reclaim_segments(const std::vector<std::shared_ptr<Mapping>>& segments);
   /// Note [Reclaiming names at run time]: drops dead processes' references to named
   /// segments created by this process or by dead ones; returns the names reclaimed.
   std::vector<std::string> reclaim_named(const std::string& prefix);

@@ -145,6 +145,24 @@ class HolderTable {
     }
     return false;
   }
+  /// reap() with the verdicts of `dead(word)` (a caller that judges many tables at once
+  /// asks each process once: Note [Reclaiming off the allocation path] in shm/arena.h).
+  template <typename Dead, typename TakeBack>
+  size_t reap_judged(Dead&& dead, TakeBack&& take_back) const {
+    if (!can_judge()) return 0;
+    const uint64_t me = self();
+    size_t reaped = 0;
+    for (size_t i = 0; i < count_; ++i) {
+      HolderSlot& slot = (*this)[i];
+      uint64_t word = slot.word();
+      if (word == 0 || (word & HOLDER_FLAGS) || !dead(word)) continue;
+      if (!slot.begin_reap_judged(word, me)) continue;
+      take_back(i);
+      slot.end_reap(me);
+      ++reaped;
+    }
+    return reaped;
+  }
   /// Reaps every slot whose process is dead: `take_back(i)` runs between begin_reap and
   /// end_reap of slot i. Returns the slots reaped (0 for a caller that cannot judge).
   template <typename TakeBack>
