@@ -190,3 +190,9 @@ def length(x):
 def yield_tensor_then_die():
     yield torch.ones(1 << 20)  # 4 MB: a segment of its own, new to the caller
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pid_after(seconds):
+    """This worker's pid, after ``seconds`` (so that a batch of calls spreads over workers)."""
+    time.sleep(seconds)
+    return os.getpid()

@@ -71,6 +71,7 @@ from typing import Any, Callable
 from ..errors import PoolClosedError, TaskCancelledError
 from ..processes import exits as _exits
 from ..processes.context import default_context
+from ..processes.spawn import launch_plan
 from ..queues.ring_queue import Queue
 from . import worker as W
 from .refs import STATE, Entry, Ref, RefGenerator
@@ -305,9 +306,12 @@ class TaskPool(TaskState):
     def _start_worker(self) -> None:
         wid = next(self._wids)
         tasks = Queue(max_bytes=_TASK_QUEUE_BYTES)
+        # Note [Children die with their parent]: judged in the thread that starts the worker
+        # (PR_SET_PDEATHSIG would fire when a short-lived creating thread ends).
+        parent = launch_plan(self._ctx.get_start_method())[2]
         process = self._ctx.Process(
             target=W.main, args=(wid, tasks, self._results, *self._init),
-            name=f"TaskPool-worker-{wid}", daemon=True)
+            kwargs={"parent": parent}, name=f"TaskPool-worker-{wid}", daemon=True)
         process.start()
         self._workers[wid] = Worker(wid, process, tasks)
         self._idle.append(wid)
