@@ -495,3 +495,27 @@ def test_a_pool_made_by_a_short_lived_thread_keeps_its_workers():
         assert set(pool.pids) == pids  # nobody died and was replaced
     finally:
         pool.shutdown(wait=True)
+
+
+def test_a_slow_worker_join_does_not_stall_other_pools():
+    """STATE, every pool's lock, was held while a stopping pool joined its workers (up to
+    5 s): submit() on any other pool waited as long."""
+    slow = mp.TaskPool(1, start_method="fork")
+    other = mp.TaskPool(1, start_method="fork")
+    try:
+        slow_pid = slow.submit(tw.slow_exit, 3.0).get(timeout=T)
+        start = time.monotonic()
+        slow.shutdown(wait=False)  # its collector now joins a worker that takes 3 s to exit
+        time.sleep(0.5)
+        waits = []
+        for i in range(5):
+            t0 = time.monotonic()
+            ref = other.submit(tw.add, i, 1)
+            waits.append(time.monotonic() - t0)
+            assert ref.get(timeout=T) == i + 1
+        assert max(waits) < 1.0, waits
+        assert os.path.exists(f"/proc/{slow_pid}")  # the join was still going on
+    finally:
+        slow.shutdown(wait=True)
+        other.shutdown(wait=True)
+    assert time.monotonic() - start >= 2.5  # the join really was slow

@@ -317,9 +317,21 @@ class TaskPool(TaskState):
         self._idle.append(wid)
 
     def _stop_workers(self) -> None:
+        """Takes the workers out of the pool (STATE held) and stops them (STATE not)."""
+        self._join_workers(self._detach_workers())
+
+    def _detach_workers(self) -> list[Worker]:
+        """Call with STATE held: the pool has no worker any more; the caller joins them
+        with :meth:`_join_workers` after releasing STATE (a join takes up to
+        ``_STOP_WAIT_S``, and STATE is every pool's lock: issue 26)."""
         self._stopped = True
         workers = list(self._workers.values())
         self._workers.clear()
+        return workers
+
+    def _join_workers(self, workers: list[Worker]) -> None:
+        """Asks ``workers`` to stop, joins them (killing those still alive after
+        ``_STOP_WAIT_S``) and closes the pool's queues. Never with STATE held."""
         for w in workers:
             try:
                 w.tasks.put((W.STOP,), timeout=1.0)
@@ -362,7 +374,8 @@ class TaskPool(TaskState):
             if consumer:
                 time.sleep(0.005)
         with STATE:
-            self._stop_workers()
+            workers = self._detach_workers()
+        self._join_workers(workers)  # STATE released: other pools go on meanwhile
 
     def _pump_once(self, timeout: float) -> None:
         """Reads and handles what the workers sent (the pump lock held, STATE not)."""
