@@ -391,3 +391,53 @@ def gloo_periodical_worker(rank, out):
         models.close()
         out.put(("receiver", rank, steps))
     dist.destroy_process_group()
+
+
+# ---- a learner that dies (issue 26: its death must not read as its finish) -----------------
+
+
+def dying_learner(model_ch, ctx_ch, go, backend="shm"):
+    """Publishes a model and a context, waits for a collector's word, then SIGKILLs itself."""
+    import signal
+
+    if backend != "shm":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    model = Net()
+    models = ModelExchanger(model, role="learner", channel=model_ch, backend=backend)
+    contexts = ContextExchanger(role="learner", channel=ctx_ch, backend=backend)
+    fill_(model, 0)
+    models.send()
+    contexts.send(Context(train_iter=1))
+    go.get(timeout=60)  # the collector loaded both and is back in its loops
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def collector_until_finished(model_ch, ctx_ch, go, out, backend="shm"):
+    """The seed's loops, ``while not finished: receive()``; reports how each one ended."""
+    if backend != "shm":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    model = Net()
+    models = ModelExchanger(model, role="collector", channel=model_ch, backend=backend,
+                            timeout=30)
+    contexts = ContextExchanger(role="collector", channel=ctx_ch, backend=backend, timeout=30)
+    ctx = Context(total_step=5)
+    while contexts.receive(ctx) is False or ctx.train_iter != 1:
+        pass
+    models.receive()
+    go.put(True)
+    ends = []
+    for loop in (lambda: models.receive(), lambda: contexts.receive(ctx)):
+        exchanger = models if not ends else contexts
+        try:
+            while not exchanger.finished:
+                loop()
+            ends.append(("finished", None))
+        except Exception as exc:  # noqa: BLE001  (reported to the test)
+            ends.append((type(exc).__name__, str(exc)))
+    out.put((models.version, ends))
+    if backend != "shm":
+        os._exit(0)  # the group's store lived in the learner: no orderly teardown is possible

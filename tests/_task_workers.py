@@ -190,3 +190,18 @@ def length(x):
 def yield_tensor_then_die():
     yield torch.ones(1 << 20)  # 4 MB: a segment of its own, new to the caller
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pid_after(seconds):
+    """This worker's pid, after ``seconds`` (so that a batch of calls spreads over workers)."""
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def slow_exit(seconds):
+    """Makes this worker's exit take ``seconds``: a finalizer of multiprocessing's exit path
+    (run after the worker's target returns), as a worker flushing a big file would."""
+    from multiprocessing import util
+
+    util.Finalize(None, time.sleep, args=(seconds,), exitpriority=100)
+    return os.getpid()

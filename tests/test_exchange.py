@@ -243,3 +243,29 @@ def test_periodical_exchange_across_processes():
             current = loaded if loaded is not None else current
             assert stale_now == 1 if loaded is not None else stale_now <= stale
             assert current < 0 or value == current  # the model is one version, whole
+
+
+def test_a_learner_killed_is_a_peer_death_not_a_finish():
+    """Issue 26: ``while not ex.finished: ex.receive()`` left its loop with finished == True
+    after the learner was SIGKILLed. Both exchangers must raise PeerDiedError instead, at
+    once (a waiting collector is woken, not left to its 30 s timeout)."""
+    ctx = mp.get_context("fork")
+    model_ch = mp.StateDictChannel(w.Net())
+    ctx_ch = mp.ContextChannel(ctx=ctx)
+    go, out = ctx.Queue(), ctx.Queue()
+    learner = ctx.Process(target=w.dying_learner, args=(model_ch, ctx_ch, go))
+    collector = ctx.Process(target=w.collector_until_finished, args=(model_ch, ctx_ch, go, out))
+    start = time.monotonic()
+    learner.start()
+    collector.start()
+    version, ends = out.get(timeout=60)
+    for p in (learner, collector):
+        p.join(30)
+    assert learner.exitcode == -9 and collector.exitcode == 0
+    assert version == 0
+    assert [kind for kind, _ in ends] == ["PeerDiedError", "PeerDiedError"], ends
+    assert f"(pid {learner.pid}) died without closing it" in ends[0][1]
+    assert time.monotonic() - start < 25  # woken by the death, not by the 30 s timeouts
+    assert model_ch.publisher_died and not model_ch.closed
+    with pytest.raises(mp.errors.PeerDiedError, match="died without closing"):
+        model_ch.read_into(w.Net(), 0, timeout=5)

@@ -45,3 +45,47 @@ def test_periodical_exchange_over_gloo():
             current = loaded if loaded is not None else current
             assert stale == 1 if loaded is not None else stale <= 2
             assert current < 0 or value == current
+
+
+def test_a_learner_killed_is_a_peer_death_over_gloo():
+    """Issue 26: over torch.distributed a receiving thread that failed set ``closed``, so the
+    collector's ``while not finished`` loop ended as if the learner had finished."""
+    import os
+    import signal
+
+    ctx = mp.get_context("fork")
+    go, out = ctx.Queue(), ctx.Queue()
+    port = _free_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    procs = []
+    for rank, target, args in ((0, w.dying_learner, (None, None, go, "gloo")),
+                               (1, w.collector_until_finished, (None, None, go, out, "gloo"))):
+        p = ctx.Process(target=_with_env, args=(dict(env, RANK=str(rank)), target, args))
+        p.start()
+        procs.append(p)
+    try:
+        version, ends = out.get(timeout=90)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.exitcode is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(10)
+    assert [p.exitcode for p in procs] == [-9, 0]
+    assert version == 0
+    assert [kind for kind, _ in ends] == ["PeerDiedError", "PeerDiedError"], ends
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _with_env(env, target, args):
+    import os
+
+    os.environ.update(env)
+    target(*args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import _task_workers as tw
@@ -465,3 +466,56 @@ def test_worker_killed_right_after_yielding_a_tensor():
             with pytest.raises(WorkerDiedError, match="SIGKILL"):
                 gen.next(timeout=T)
         assert pool.submit(tw.add, 1, 2).get(timeout=T) == 3
+
+
+# ---- lifecycle (issue 26) ------------------------------------------------------------------
+
+
+def test_a_pool_made_by_a_short_lived_thread_keeps_its_workers():
+    """PR_SET_PDEATHSIG fires when the *thread* that forked a worker ends: a pool made by a
+    thread that then exits lost its workers. Workers must die with the pool's process only
+    (Note [Children die with their parent], the mechanism of processes/)."""
+    made = []
+
+    def make():
+        pool = mp.TaskPool(2, start_method="fork")
+        made.append(pool)
+        # Both workers have started (and asked for whatever parent-death signal they ask for).
+        pids = {r.get(timeout=T) for r in [pool.submit(tw.pid_after, 0.3) for _ in range(4)]}
+        made.append(pids)
+
+    thread = threading.Thread(target=make)
+    thread.start()
+    thread.join(T)
+    pool, pids = made
+    try:
+        assert pids == set(pool.pids)
+        time.sleep(0.5)  # a signal from the thread's exit has arrived by now
+        assert [pool.submit(tw.add, i, 1).get(timeout=T) for i in range(4)] == [1, 2, 3, 4]
+        assert set(pool.pids) == pids  # nobody died and was replaced
+    finally:
+        pool.shutdown(wait=True)
+
+
+def test_a_slow_worker_join_does_not_stall_other_pools():
+    """STATE, every pool's lock, was held while a stopping pool joined its workers (up to
+    5 s): submit() on any other pool waited as long."""
+    slow = mp.TaskPool(1, start_method="fork")
+    other = mp.TaskPool(1, start_method="fork")
+    try:
+        slow_pid = slow.submit(tw.slow_exit, 3.0).get(timeout=T)
+        start = time.monotonic()
+        slow.shutdown(wait=False)  # its collector now joins a worker that takes 3 s to exit
+        time.sleep(0.5)
+        waits = []
+        for i in range(5):
+            t0 = time.monotonic()
+            ref = other.submit(tw.add, i, 1)
+            waits.append(time.monotonic() - t0)
+            assert ref.get(timeout=T) == i + 1
+        assert max(waits) < 1.0, waits
+        assert os.path.exists(f"/proc/{slow_pid}")  # the join was still going on
+    finally:
+        slow.shutdown(wait=True)
+        other.shutdown(wait=True)
+    assert time.monotonic() - start >= 2.5  # the join really was slow

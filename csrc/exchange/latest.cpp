@@ -361,8 +361,35 @@ int64_t LatestChannel::latest() const {
 }
 
 void LatestChannel::close() {
-  header_->closed.store(1, std::memory_order_seq_cst);
+  header_->closed.store(CLOSED_BY_PUBLISHER, std::memory_order_seq_cst);
   header_->changed.notify_all();
+}
+
+void LatestChannel::set_publisher() {
+  const uint64_t me = holder_word_of_self(header_->pidns);
+  if (header_->publisher.word() == me) return;
+  header_->publisher.set(me);
+  uint32_t died = CLOSED_PUBLISHER_DIED;  // a new publisher takes over: open again
+  header_->closed.compare_exchange_strong(died, 0, std::memory_order_seq_cst);
+}
+
+bool LatestChannel::check_publisher() {
+  // Note [Publisher death]
+  if (header_->closed.load(std::memory_order_acquire) == 0) {
+    const uint64_t word = header_->publisher.word();
+    if (word != 0 && holder_word_dead(word, header_->pidns)) {
+      uint32_t open = 0;
+      if (header_->closed.compare_exchange_strong(open, CLOSED_PUBLISHER_DIED,
+                                                  std::memory_order_seq_cst)) {
+        header_->changed.notify_all();
+      }
+    }
+  }
+  return publisher_died();
+}
+
+bool LatestChannel::publisher_died() const {
+  return header_->closed.load(std::memory_order_acquire) == CLOSED_PUBLISHER_DIED;
 }
 
 bool LatestChannel::closed() const {

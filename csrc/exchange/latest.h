@@ -8,6 +8,8 @@
 //   offset 0        LatestHeader   magic, layout version, K, buffer size, creator's pid
 //                                  namespace (home of the holder slots: writer, readers)
 //                                  writer   holder key of the process inside a publish (or 0)
+//                                  publisher  holder key of the process that publishes (the
+//                                           learner; Note [Publisher death])
 //                                  latest   newest committed version + 1 (0: none yet)
 //                                  changed  futex condition, notified by every commit and by
 //                                           close (Note [Why not pthread_cond_t])
@@ -45,6 +47,20 @@
 // - Versions increase strictly (a commit of a version <= latest is refused), so "newer than v"
 //   is a plain comparison, on one host or across hosts, and never needs a clock.
 //
+// Note [Publisher death]
+// A collector loops `while not exchanger.finished: receive()`; "finished" must mean the
+// learner closed the channel, never that it died. The learner records itself in the
+// `publisher` holder slot (set_publisher, when its exchanger is made and at each publish).
+// When that process is found dead (check_publisher: holder_word_dead, so a recycled pid or
+// another pid namespace never counts as dead) while the channel is open, the channel is
+// closed with CLOSED_PUBLISHER_DIED by one compare-and-swap: every waiter wakes as for
+// close(), reads what is there, and then learns the publisher died (PeerDiedError in
+// Python), never a normal finish. A new publisher (set_publisher by another process: a
+// restarted learner, or a writer taking over from one killed mid-publish) opens the channel
+// again; close() is always the normal end. Nothing here waits for the death: a waiting process watches the
+// publisher's pidfd (torch_mp_ext/exchange/publisher.py) and calls check_publisher when it
+// fires, so a blocked reader costs no CPU and still wakes at once.
+//
 // Note [Prefaulted buffers]
 // The first touch of a shared page costs each process a page fault (microseconds, and ~25,000
 // of them per 100 MB), and each of the K buffers is touched for the first time at a different
@@ -72,6 +88,10 @@ constexpr uint32_t LATEST_MAX_BUFFERS = 16;
 /// Reads that can be in progress at once (each holds one slot only while it reads).
 constexpr uint32_t LATEST_READER_SLOTS = 128;
 constexpr uint64_t STAMP_WRITING = uint64_t{1} << 63;
+/// LatestHeader::closed: close() was called (the normal end).
+constexpr uint32_t CLOSED_BY_PUBLISHER = 1;
+/// LatestHeader::closed: the publisher died without closing (Note [Publisher death]).
+constexpr uint32_t CLOSED_PUBLISHER_DIED = 2;
 /// Versions are 0 .. LATEST_MAX_VERSION (stamps store version + 1 beside the WRITING bit).
 constexpr uint64_t LATEST_MAX_VERSION = (uint64_t{1} << 62) - 1;
 /// Largest buffer (2^48 bytes: 256 TiB): keeps every size sum of a channel far from 2^64.
@@ -101,10 +121,10 @@ struct LatestHeader {
   uint64_t total_bytes;
   uint64_t pidns;  ///< the creator's pid namespace: home of the holder tables below
   alignas(64) HolderSlot writer;  ///< a one-slot holder table: the process inside a publish
-  uint64_t reserved;
+  HolderSlot publisher;          ///< the process that publishes, 0: none yet (Note [Publisher death])
   std::atomic<uint64_t> latest;  ///< newest committed version + 1; 0: none yet
   SharedCondition changed;       ///< notified by every commit and by close (8 bytes)
-  std::atomic<uint32_t> closed;
+  std::atomic<uint32_t> closed;  ///< 0 open, CLOSED_BY_PUBLISHER, CLOSED_PUBLISHER_DIED
   LatestBufferState buffers[LATEST_MAX_BUFFERS];
   LatestReaderSlot readers[LATEST_READER_SLOTS];
 };
@@ -174,7 +194,17 @@ class LatestChannel {
   int64_t latest() const;
   /// No version will come any more: wakes every waiter; reads of what is there still work.
   void close();
+  /// Closed for any reason (close(), or the publisher died).
   bool closed() const;
+  /// Records this process as the channel's publisher (Note [Publisher death]).
+  void set_publisher();
+  /// The publisher's holder key (Note [Process identity]); 0 when none was recorded.
+  uint64_t publisher() const { return header_->publisher.key(); }
+  /// If the channel is open and its publisher is known dead, closes it as
+  /// CLOSED_PUBLISHER_DIED (waking every waiter). True when the channel is closed so.
+  bool check_publisher();
+  /// True when the channel was closed because its publisher died.
+  bool publisher_died() const;
 
   void copy_in(uint32_t index, const std::vector<CopySpan>& spans);
   void copy_out(uint32_t index, const std::vector<CopySpan>& spans) const;

@@ -144,6 +144,14 @@ void init_exchange(py::module_& m) {
           py::arg("newer_than"), py::arg("multiple_of"),
           R"pbdoc((version, published_ns) of the newest matching complete version, or None.)pbdoc")
       .def("close", [](PyLatestChannel& c) { c.channel.close(); })
+      .def("set_publisher", [](PyLatestChannel& c) { c.channel.set_publisher(); },
+           R"pbdoc(Records this process as the publisher (Note [Publisher death]).)pbdoc")
+      .def_property_readonly("publisher", [](const PyLatestChannel& c) { return c.channel.publisher(); })
+      .def("check_publisher", [](PyLatestChannel& c) { return c.channel.check_publisher(); },
+           R"pbdoc(Closes the channel as 'publisher died' if it is open and its publisher is
+           known dead; True when it is closed so (Note [Publisher death]).)pbdoc")
+      .def_property_readonly("publisher_died",
+                             [](const PyLatestChannel& c) { return c.channel.publisher_died(); })
       .def(
           "state",
           [](const PyLatestChannel& c) {

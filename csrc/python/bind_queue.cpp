@@ -259,6 +259,13 @@ class RingHandle {
     return static_cast<int>(ring_.task_done());
   }
 
+  int wait_room(size_t payload, double timeout) {
+    Use use(*this);
+    return static_cast<int>(blocking(timeout, [&](const Deadline& d) {
+      return ring_.wait_room(payload, d, &closed_);
+    }));
+  }
+
   int join(double timeout) {
     Use use(*this);
     return static_cast<int>(
@@ -412,6 +419,10 @@ void init_queue(py::module_& m) {
           py::arg("point"), "Test hook: SIGKILL this process when an operation reaches it.")
       .def("share", &RingHandle::share,
            "A block handle carrying one block reference and one holder of the ring.")
+      .def("wait_room", &RingHandle::wait_room, py::arg("payload"), py::arg("timeout") = -1.0,
+           R"pbdoc(Waits until an item of `payload` bytes would fit, putting nothing: a Status
+           (Ok, Full at the timeout, Closed). For producers that make an item only once there
+           is room for it (Note [Produce into room]).)pbdoc")
       .def("put", &RingHandle::put, py::arg("data"), py::arg("tag") = 0,
            py::arg("timeout") = -1.0)
       .def("put_many", &RingHandle::put_many, py::arg("payloads"), py::arg("tags") = py::none(),

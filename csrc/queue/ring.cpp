@@ -435,6 +435,22 @@ Status Ring::put(const FrameIn* frames, size_t n, const Deadline& deadline,
   return Status::Ok;
 }
 
+Status Ring::wait_room(size_t payload, const Deadline& deadline,
+                       const std::atomic<bool>* closed) {
+  const uint64_t total = frame_bytes(payload);
+  if (lock(deadline, false) == Lock::TimedOut) return Status::Full;
+  Held held{this};
+  for (;;) {
+    if (is_closed(closed)) return Status::Closed;
+    const RingState& s = h_->state;
+    bool counted = h_->maxsize == 0 || s.count < h_->maxsize;
+    if (counted && s.tail - s.head + total <= max_capacity_) return Status::Ok;
+    if (deadline.expired()) return Status::Full;
+    Status waited = wait_on(held, h_->not_full, deadline, Status::Full);
+    if (waited != Status::Ok) return waited;
+  }
+}
+
 Status Ring::get(FrameBuffer& bytes, std::vector<FrameOut>& frames, size_t max_frames,
                  const Deadline& deadline, const std::atomic<bool>* closed, bool try_only) {
   if (max_frames == 0) max_frames = 1;

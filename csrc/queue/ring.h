@@ -256,6 +256,11 @@ class Ring {
   /// null (drain: ignore the caller's closed state).
   Status get(FrameBuffer& bytes, std::vector<FrameOut>& frames, size_t max_frames,
              const Deadline& deadline, const std::atomic<bool>* closed, bool try_only);
+  /// Waits until one frame of `payload` bytes would fit (the item count below maxsize, the
+  /// bytes within the largest capacity), putting nothing: Ok, Full at the deadline, Closed
+  /// or Interrupted. A producer that must not make an item before there is room for it
+  /// (Note [Produce into room] in pipeline/links.py) sleeps on `not_full` like a put.
+  Status wait_room(size_t payload, const Deadline& deadline, const std::atomic<bool>* closed);
   /// One task done (JoinableQueue): Ok, or Empty when none is unfinished.
   Status task_done();
   /// Waits until no task is unfinished: Ok, Timeout, Closed or Interrupted.

@@ -218,6 +218,8 @@ class Lender:
                 return False
             if unreceived is not None and elapsed >= unreceived and not self.received_tags():
                 return False
+            # Justified sleep: at exit only, bounded by `timeout`; the counters live in other
+            # processes' CUDA keep-alive slots, which no event of ours announces.
             time.sleep(0.01)
 
     def describe(self, waited: float) -> str:

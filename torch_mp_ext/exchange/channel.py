@@ -31,15 +31,17 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Union
 
 import torch
 
 from .. import _C
-from ..errors import ChannelClosedError, CorruptSegmentError
+from ..errors import ChannelClosedError, CorruptSegmentError, PeerDiedError
 from ..sharing import memory as _memory
 from ..timeouts import seconds
+from .publisher import PublisherWatch
 
 __all__ = ["StateDictChannel"]
 
@@ -153,6 +155,8 @@ class StateDictChannel:
         self._label = f"channel {name!r}"
         self._publish_lock = threading.Lock()
         self._views: dict[int, dict[str, torch.Tensor]] = {}
+        self._watch = PublisherWatch(channel, name)
+        weakref.finalize(self, self._watch.close)
 
     def __reduce__(self) -> tuple:
         ch = self._channel
@@ -174,8 +178,35 @@ class StateDictChannel:
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` was called (in any process)."""
-        return self._channel.closed
+        """True once :meth:`close` was called (in any process); False when the publisher
+        died without closing (:attr:`publisher_died`)."""
+        return self._channel.closed and not self._channel.publisher_died
+
+    @property
+    def publisher_died(self) -> bool:
+        """True once the publishing process was found dead without having closed the channel
+        (Note [Publisher death] in ``csrc/exchange/latest.h``): no newer version will come,
+        and waits raise :class:`~torch_mp_ext.errors.PeerDiedError`."""
+        self._watch.ensure()
+        return self._channel.publisher_died
+
+    def check_peer(self) -> None:
+        """Raises :class:`~torch_mp_ext.errors.PeerDiedError` if the publisher died without
+        closing the channel. Cheap (no system call once this process watches the
+        publisher: Note [Publisher death] in ``csrc/exchange/latest.h``)."""
+        if self.publisher_died:
+            raise PeerDiedError(self._died_message())
+
+    def _claim_publisher(self) -> None:
+        """Records this process as the publisher before its first publish (a learner's
+        exchanger): readers can then tell its death from its finish from the start."""
+        self._channel.set_publisher()
+
+    def _died_message(self) -> str:
+        pid = (self._channel.publisher >> 32) & 0x3FFFFFFF
+        return (f"the publisher of {self._label} (pid {pid}) died without closing it: no "
+                f"version newer than {self.version} will come. Restart the publisher (the "
+                "learner), or end this process; a learner that finishes calls close()")
 
     @property
     def nbytes(self) -> int:
@@ -207,8 +238,10 @@ class StateDictChannel:
         Raises:
             TimeoutError: nothing newer within ``timeout``.
             ChannelClosedError: the channel was closed and nothing newer is there.
+            PeerDiedError: the publisher died without closing, and nothing newer is there.
         """
         timeout = seconds(timeout)  # Note [Timeout values]
+        self._watch.ensure()
         status = self._channel.wait(newer_than, multiple_of, timeout)
         self._check(status, newer_than, timeout)
         found = self._channel.peek(newer_than, multiple_of)
@@ -242,6 +275,7 @@ class StateDictChannel:
             ChannelClosedError: the channel is closed.
         """
         sources = self._match(state_of(state, "state"), "publish")
+        self._channel.set_publisher()  # Note [Publisher death]
         with self._publish_lock:
             if version is None:
                 version = self._channel.latest + 1
@@ -299,6 +333,8 @@ class StateDictChannel:
             ValueError: ``target`` does not match the template (the message names the key).
             TimeoutError: nothing newer within ``timeout``.
             ChannelClosedError: the channel was closed and nothing newer is there.
+            PeerDiedError: the publisher died without closing (Note [Publisher death] in
+                ``csrc/exchange/latest.h``), and nothing newer is there.
         """
         return self._read(state_of(target, "target"), newer_than, multiple_of, timeout)[0]
 
@@ -325,6 +361,7 @@ class StateDictChannel:
                 slow.append((entry, dst))
         timeout = seconds(timeout)
         deadline = _deadline(timeout)
+        self._watch.ensure()
         while True:
             status, index, slot, version, published_ns = self._channel.begin_read(
                 newer_than, multiple_of, _left(deadline))
@@ -361,6 +398,10 @@ class StateDictChannel:
         return views[entry.key]
 
     def _check(self, status: int, newer_than: int, timeout: float | None) -> None:
+        if status == _OK:
+            return
+        if self._channel.check_publisher():  # a timeout too: no watch thread may have run
+            raise PeerDiedError(self._died_message())
         if status == _TIMEOUT:
             raise TimeoutError(
                 f"no version newer than {newer_than} was published on {self._label} within "

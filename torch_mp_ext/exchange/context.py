@@ -70,7 +70,16 @@ class ContextChannel:
 
     @property
     def closed(self) -> bool:
+        """True once the learner closed the channel (not when it died)."""
         return self._down.closed
+
+    def check_peer(self) -> None:
+        """Raises PeerDiedError if the learner died without closing the channel."""
+        self._down.check_peer()
+
+    def _claim_learner(self) -> None:
+        """The learner's exchanger records its process (Note [Publisher death])."""
+        self._down._claim_publisher()
 
     def send_up(self, payload: dict) -> None:
         self._up.put(payload)
@@ -149,6 +158,8 @@ class ContextExchanger:
                 raise ValueError("backend='shm' needs channel=: make one ContextChannel() in the "
                                  "parent and pass it to the learner and every collector")
             self._channel: Any = channel
+            if self._is_learner:
+                channel._claim_learner()
         else:
             if backend not in ("distributed", "gloo", "nccl"):
                 raise ValueError("backend must be 'shm', 'distributed', 'gloo' or 'nccl', got "
@@ -162,7 +173,12 @@ class ContextExchanger:
 
     @property
     def finished(self) -> bool:
-        """True once the learner closed the exchange."""
+        """True once the learner closed the exchange.
+
+        Raises:
+            PeerDiedError: the learner died without closing it (not a finish).
+        """
+        self._channel.check_peer()
         return self._channel.closed
 
     # ---- plain calls ---------------------------------------------------------------------

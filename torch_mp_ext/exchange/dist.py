@@ -19,7 +19,9 @@ theirs to the learner point to point (its thread receives from any source), the 
 broadcasts its own (each collector's thread receives). Each exchanger makes its own groups
 (``dist.new_group``), so every rank must make its exchangers in the same order, and the
 learner must ``close()`` them (a closed flag ends the receiving threads) before the process
-group is destroyed.
+group is destroyed. A receiving thread that fails instead (the learner was killed, its
+connection went) leaves the exchange not closed but broken: ``finished`` and every wait raise
+PeerDiedError, so a learner's death never reads as its finish.
 """
 
 from __future__ import annotations
@@ -70,7 +72,12 @@ def _recv_object_from_any(group: Any) -> Any:
 
 
 class _Latest:
-    """The newest received version and what waits for it (one process, several threads)."""
+    """The newest received version and what waits for it (one process, several threads).
+
+    ``closed`` is the learner's close only; a receiving thread that fails (the learner died,
+    the connection went) records ``error`` instead, which every later wait and
+    ``check_peer`` raises as PeerDiedError: a learner's death never reads as its finish.
+    """
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -83,15 +90,24 @@ class _Latest:
                  what: str) -> None:
         """Call with ``cond`` held; returns when a matching version is there."""
         def ready() -> bool:
-            return self.matches(newer_than, multiple_of) or self.closed
+            return (self.matches(newer_than, multiple_of) or self.closed
+                    or self.error is not None)
 
         if not self.cond.wait_for(ready, timeout):
             raise TimeoutError(f"no version newer than {newer_than} arrived from {what} within "
                                f"{timeout} s (latest: {self.version}); is the learner sending?")
         if not self.matches(newer_than, multiple_of):
-            if self.error is not None:
-                raise PeerDiedError(f"receiving from {what} failed: {self.error}") from self.error
+            self.check(what)
             raise ChannelClosedError(f"{what} is closed: the learner sends no more versions")
+
+    def check(self, what: str) -> None:
+        """Raises PeerDiedError if the receiving thread failed."""
+        if self.error is not None:
+            raise PeerDiedError(
+                f"receiving from {what} failed, so the learner died or left the group without "
+                f"closing the exchange ({type(self.error).__name__}: {self.error}); no version "
+                f"newer than {self.version} will come. Restart the job (torchrun restarts the "
+                "group), or end this process") from self.error
 
     def matches(self, newer_than: int, multiple_of: int) -> bool:
         return self.version > newer_than and self.version % multiple_of == 0
@@ -102,7 +118,10 @@ class _Latest:
 
     def end(self, error: BaseException | None = None) -> None:
         with self.cond:
-            self.closed, self.error = True, error
+            if error is None:
+                self.closed = True
+            else:
+                self.error = error
             self.cond.notify_all()
 
 
@@ -163,10 +182,13 @@ class DistModelChannel:
     def closed(self) -> bool:
         return self._latest.closed
 
+    def check_peer(self) -> None:
+        self._latest.check(self.name)
+
     def publish(self, state: Any, version: int | None = None) -> int:
         if not self._is_learner:
             raise RuntimeError(f"only the learner's rank publishes on {self.name}")
-        if self._latest.closed:
+        if self._latest.closed or self._latest.error is not None:
             raise ChannelClosedError(f"publish: {self.name} is closed")
         version = self._latest.version + 1 if version is None else version
         if version <= self._latest.version:
@@ -264,6 +286,9 @@ class DistContextChannel:
     @property
     def closed(self) -> bool:
         return self._latest.closed
+
+    def check_peer(self) -> None:
+        self._latest.check(self.name)
 
     def _receive_up(self) -> None:
         byes = 0

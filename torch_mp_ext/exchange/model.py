@@ -120,6 +120,8 @@ def model_transport(model: torch.nn.Module, channel: StateDictChannel | None, ba
             raise ValueError(
                 "backend='shm' needs channel=: make one StateDictChannel(model) in the parent "
                 "and pass it to the learner and every collector")
+        if is_learner:
+            channel._claim_publisher()  # collectors can tell its death from its finish
         return channel
     if channel is not None:
         raise ValueError(f"channel= is for backend='shm'; backend={backend!r} broadcasts over "
@@ -156,7 +158,14 @@ class _Receiver:
 
     @property
     def finished(self) -> bool:
-        """True once the channel is closed (the learner is done): nothing more will come."""
+        """True once the learner closed the channel (it is done): nothing more will come.
+
+        Raises:
+            PeerDiedError: the learner died without closing (SIGKILL, a crash, a lost
+                connection): that is not a finish (Note [Publisher death] in
+                ``csrc/exchange/latest.h``, Note [Exchange over torch.distributed]).
+        """
+        self._channel.check_peer()
         return self._channel.closed
 
     def close(self) -> None:
@@ -222,9 +231,13 @@ class ModelExchanger(_Receiver):
         Returns:
             The version loaded, or None when none came within ``timeout`` (after the seed's
             warning, naming this process) or the channel is closed.
+
+        Raises:
+            PeerDiedError: the learner died without closing the channel.
         """
         if self._is_learner:
             raise RuntimeError("receive() is for collectors and evaluators; the learner sends")
+        self._channel.check_peer()
         timeout = self._timeout(timeout)
         try:
             self._version = self._channel.read_into(self._model, self._version, timeout=timeout)
@@ -329,9 +342,13 @@ class PeriodicalModelExchanger(_Receiver):
         Returns:
             The version loaded, or None when the weights were reused, the wait timed out
             (after the seed's warning, naming this process) or the channel is closed.
+
+        Raises:
+            PeerDiedError: the sender died without closing the channel.
         """
         if self._mode != "receive":
             raise RuntimeError("receive() is the receiver's; this exchanger's mode is 'send'")
+        self._channel.check_peer()
         timeout = self._timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         newer_than = self._model_id

@@ -156,6 +156,8 @@ class Pipeline(Iterator[Any]):
                 return None
             if time.monotonic() >= deadline:
                 return None
+            # Justified sleep: at most 0.2 s, once, on the error path; the forkserver's exit
+            # report has no event of ours to wait on.
             time.sleep(0.01)
 
     def close(self) -> None:

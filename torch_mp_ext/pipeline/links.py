@@ -29,15 +29,15 @@ Note [Produce into room]
 A producer waits for room in the queue its next item goes to *before* it makes the item
 (``Outlet.reserve``), not after: an item waiting for room would be one more item alive per
 link, and with numpy arrays born in blocks an item is shared memory from its first byte.
-The wait polls ``full()`` with sleeps of at most ``_ROOM_POLL_MAX_S``: the queue holds
-``buffer_size`` items for the consumer meanwhile, so the extra latency is hidden.
+The wait sleeps on the ring's ``not_full`` condition, as a blocked put does
+(``Queue._wait_room``), in slices of ``POLL_S`` for the ``idle`` check: a producer blocked
+on a consumer that stopped reading costs no CPU (issue 26: it used to poll ``full()``).
 """
 
 from __future__ import annotations
 
 import pickle
 import queue
-import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -50,8 +50,6 @@ __all__ = ["END", "POLL_S", "Failure", "Inlet", "Outlet", "Role", "Stop", "Upstr
 
 #: Seconds a blocked reader or writer waits before it checks whether it should give up.
 POLL_S = 0.1
-#: Longest sleep between two looks at a full queue (Note [Produce into room]).
-_ROOM_POLL_MAX_S = 0.001
 
 
 class _Control:
@@ -183,16 +181,8 @@ class Outlet:
         self._idle()
         targets = self._targets
         q = targets[0] if len(targets) == 1 else targets[self.count % len(targets)]
-        if not q.full():
-            return
-        delay, waited = 0.0001, 0.0
-        while q.full():
-            time.sleep(delay)
-            waited += delay
-            delay = min(delay * 2, _ROOM_POLL_MAX_S)
-            if waited >= POLL_S:
-                waited = 0.0
-                self._idle()
+        while not q._wait_room(POLL_S):
+            self._idle()
 
     def put(self, obj: Any) -> None:
         targets = self._targets
@@ -261,7 +251,5 @@ def discard(queues: List[Queue]) -> None:
     """Drops every frame left in ``queues`` and the block references they hold, without
     unpickling them (no user code runs)."""
     for q in queues:
-        if q._closed:
-            continue
-        for tag, data in q._ring.drain():
+        for tag, data in q._drain_frames():
             release_frame(tag, data)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from typing import Any, List, Optional, Tuple
@@ -22,7 +23,7 @@ from ..errors import PipelineError
 from ..processes import exits as _exits
 from ..queues.ring_queue import Queue
 from ..sharing.arena import zeros_array
-from .links import Inlet, Outlet, Role, Stop, discard
+from .links import POLL_S, Inlet, Outlet, Role, Stop, discard
 from .stage_process import EXIT, FINISHED, NEW, REPORTED, STOPPING, Task, feed, run
 
 __all__ = ["Group", "Running", "launch", "shutdown"]
@@ -42,6 +43,7 @@ class Running:
         self.processes: List[Tuple[Any, Role, int]] = []
         self.pids: Tuple[int, ...] = ()
         self.queues: List[Queue] = []
+        self.signals: Optional[Tuple[Queue, Queue]] = None  # (events, exits)
         self.control: Any = None
         self.thread: Optional[threading.Thread] = None
         self.inlet: Optional[Inlet] = None
@@ -96,7 +98,7 @@ def shutdown(state: Running, grace: float) -> None:
             if process._popen is not None and process.exitcode is None:
                 process.kill()
                 process.join()
-        for q in state.queues:
+        for q in state.queues + list(state.signals or ()):
             q.close()
         raise
 
@@ -106,9 +108,17 @@ def _stop(state: Running, grace: float) -> None:
     if control is not None:
         control[0] = STOPPING
     deadline = time.monotonic() + grace
-    while control is not None and time.monotonic() < deadline and any(
+    # Note [Stage process lifecycle]: each final status comes with a slot on `events`; the
+    # slices only look again at processes that died without one.
+    while control is not None and state.signals is not None and any(
             p.exitcode is None and control[slot] < FINISHED for p, _, slot in state.processes):
-        time.sleep(0.002)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            state.signals[0].get(True, min(left, POLL_S))
+        except queue.Empty:
+            pass
     if state.thread is not None and state.thread.ident is not None:
         state.thread.join(max(deadline - time.monotonic(), 0.0))
         if state.thread.is_alive():
@@ -117,6 +127,8 @@ def _stop(state: Running, grace: float) -> None:
     discard(state.queues)
     if control is not None:
         control[0] = EXIT
+        if state.signals is not None:  # a token for each process waiting for EXIT
+            state.signals[1].put_many([0] * len(state.processes), timeout=grace)
     for process, role, _ in state.processes:
         process.join(max(deadline - time.monotonic(), 0.0) + 1.0)
         if process.exitcode is None:
@@ -128,8 +140,9 @@ def _stop(state: Running, grace: float) -> None:
                 process.kill()
                 process.join()
         process.close()  # its sentinel fd
-    for q in state.queues:
+    for q in state.queues + list(state.signals or ()):
         q.close()  # the last holder drops what is left (Note [Queue lifetime])
+    state.signals = None
     state.inlet = None
     state.control = None
 
@@ -159,6 +172,7 @@ def launch(state: Running, groups: List[Group], ordered: bool, ctx: Any, parent:
     """
     nprocs = sum(g[3] for g in groups if g[0] not in ("local", "consumer"))
     state.control = control = zeros_array(1 + nprocs, np.uint8)
+    state.signals = signals = (Queue(), Queue())  # Note [Stage process lifecycle]
     # Note [Pipeline links]: for each link, each producer's (targets, end_copies) and
     # each consumer's (sources, ends).
     writers: List[List[tuple]] = []
@@ -190,7 +204,7 @@ def launch(state: Running, groups: List[Group], ordered: bool, ctx: Any, parent:
             role = Role(name, position, worker, count)
             index = (worker, count) if ordered or count == 1 else None
             task = Task(role, kind, fn, readers[position - 1][worker] if position else None,
-                        writers[position][worker], control, slot, parent, index)
+                        writers[position][worker], control, slot, parent, signals, index)
             process = ctx.Process(target=run, args=(task,), daemon=False,
                                   name=f"torch_mp_ext-pipeline-{position}-{worker}")
             try:

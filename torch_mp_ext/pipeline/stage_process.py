@@ -11,7 +11,10 @@ Each process has a status byte in the pipeline's control block (an arena array o
 and then it waits for phase EXIT before it returns. The consumer sets STOPPING when it stops
 early, fails, or has read the END (every item was received), waits for every status to be
 final, discards what is left in the queues (the owners of the blocks those items name are
-still alive to take them back), then sets EXIT. So no process exits while a handle to its
+still alive to take them back), then sets EXIT. Nobody polls the bytes: a process that sets
+a final status also puts its slot on the pipeline's ``events`` queue, which the consumer's
+wait reads, and the consumer puts one token per process on the ``exits`` queue with EXIT,
+which the finished processes wait on (a ring wait: no CPU while the consumer is busy). So no process exits while a handle to its
 memory is in flight: nothing needs an exit keeper, nothing is left behind. A process that
 exits before EXIT died; the consumer notices while waiting for items and reports it.
 Stage processes ignore SIGINT: Ctrl-C reaches the consumer, which stops them all in order.
@@ -36,8 +39,8 @@ from __future__ import annotations
 
 import gc
 import os
+import queue
 import signal
-import time
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
@@ -52,7 +55,9 @@ __all__ = ["NEW", "RUNNING", "FINISHED", "REPORTED", "STOPPED", "STOPPING", "EXI
 # Statuses (control[slot]) and phases (control[0]): Note [Stage process lifecycle].
 NEW, RUNNING, FINISHED, REPORTED, STOPPED = 0, 1, 2, 3, 4
 STOPPING, EXIT = 1, 2
-_EXIT_POLL_S = 0.005
+#: A finished process re-reads the phase this often while it waits for EXIT (it is woken by
+#: its token on ``exits`` at once; this only bounds a lost token's cost).
+_EXIT_WAIT_S = 30.0
 _SHARE_NUMPY = os.environ.get("TORCH_MP_EXT_PIPELINE_SHARE_NUMPY", "1") != "0"
 
 
@@ -69,16 +74,18 @@ class Task:
         control: the control block.
         slot: its index in ``control``.
         parent: how it watches its parent (``_worker.die_with_parent``).
+        signals: the pipeline's ``(events, exits)`` queues (Note [Stage process lifecycle]).
         index: ``(first, step)`` of the stream positions of the items it receives, when
             known (ordered per-item stages), for error messages.
     """
 
     def __init__(self, role: Role, kind: str, fn: Callable[..., Any], inputs: Any,
                  outputs: Any, control: np.ndarray, slot: int, parent: tuple,
-                 index: Optional[tuple] = None) -> None:
+                 signals: tuple, index: Optional[tuple] = None) -> None:
         self.role, self.kind, self.fn = role, kind, fn
         self.inputs, self.outputs = inputs, outputs
         self.control, self.slot, self.parent, self.index = control, slot, parent, index
+        self.signals = signals
 
 
 def _items(n: int) -> str:
@@ -167,8 +174,13 @@ def run(task: Task) -> None:
     status = _serve(task, inlet, outlet)
     del inlet, outlet
     control[task.slot] = status
+    events, exits = task.signals
+    events.put(task.slot)  # Note [Stage process lifecycle]: the consumer's wait wakes
     while control[0] != EXIT:
-        time.sleep(_EXIT_POLL_S)
+        try:
+            exits.get(True, _EXIT_WAIT_S)
+        except queue.Empty:
+            continue
 
 
 def feed(source: Iterable[Any], role: Role, outlet: Outlet) -> None:

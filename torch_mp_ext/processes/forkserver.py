@@ -42,6 +42,7 @@ import errno
 import io
 import os
 import secrets
+import select
 import selectors
 import signal
 import socket
@@ -398,16 +399,19 @@ def _serve(listener_fd: int, alive_r: int) -> None:
 
 def _reap_within(pid: int, timeout: float) -> None:
     """Waits for child ``pid`` to exit, SIGKILLing it after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
     try:
-        while os.waitpid(pid, os.WNOHANG)[0] == 0:
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return
-            time.sleep(0.01)
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        pidfd = -1  # reaped already
+    try:
+        if pidfd >= 0 and not select.select([pidfd], [], [], timeout)[0]:  # sleeps, no poll
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
     except ChildProcessError:
         pass
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
 
 
 def _reap(sig_r: int, pid_to_fd: dict[int, int]) -> None:

@@ -471,6 +471,25 @@ class _RingQueue:
             self._raise(status)
         return True
 
+    def _wait_room(self, timeout: float) -> bool:
+        """Waits at most ``timeout`` s until one more item of any size up to a small frame
+        would fit, putting nothing; False at the timeout. It sleeps on the ring's
+        ``not_full`` condition like a blocked put (Note [Produce into room] in
+        ``pipeline/links.py``)."""
+        if self._closed:
+            self._check_closed()
+        status = self._ring.wait_room(1, timeout)
+        if status in (_FULL, _TIMEOUT):
+            return False
+        if status:
+            self._raise(status)
+        return True
+
+    def _drain_frames(self) -> list:
+        """Takes every frame left, as ``(tag, data)`` pairs, without unpickling them (the
+        caller releases their references: ``release_frame``); [] on a closed object."""
+        return [] if self._closed else self._ring.drain()
+
     def qsize(self) -> int:
         """Items in the queue now (exact at the moment it was read)."""
         self._check_closed()

@@ -71,6 +71,7 @@ from typing import Any, Callable
 from ..errors import PoolClosedError, TaskCancelledError
 from ..processes import exits as _exits
 from ..processes.context import default_context
+from ..processes.spawn import launch_plan
 from ..queues.ring_queue import Queue
 from . import worker as W
 from .refs import STATE, Entry, Ref, RefGenerator
@@ -305,17 +306,32 @@ class TaskPool(TaskState):
     def _start_worker(self) -> None:
         wid = next(self._wids)
         tasks = Queue(max_bytes=_TASK_QUEUE_BYTES)
+        # Note [Children die with their parent]: judged in the thread that starts the worker
+        # (PR_SET_PDEATHSIG would fire when a short-lived creating thread ends).
+        parent = launch_plan(self._ctx.get_start_method())[2]
         process = self._ctx.Process(
             target=W.main, args=(wid, tasks, self._results, *self._init),
-            name=f"TaskPool-worker-{wid}", daemon=True)
+            kwargs={"parent": parent}, name=f"TaskPool-worker-{wid}", daemon=True)
         process.start()
         self._workers[wid] = Worker(wid, process, tasks)
         self._idle.append(wid)
 
     def _stop_workers(self) -> None:
+        """Takes the workers out of the pool (STATE held) and stops them (STATE not)."""
+        self._join_workers(self._detach_workers())
+
+    def _detach_workers(self) -> list[Worker]:
+        """Call with STATE held: the pool has no worker any more; the caller joins them
+        with :meth:`_join_workers` after releasing STATE (a join takes up to
+        ``_STOP_WAIT_S``, and STATE is every pool's lock: issue 26)."""
         self._stopped = True
         workers = list(self._workers.values())
         self._workers.clear()
+        return workers
+
+    def _join_workers(self, workers: list[Worker]) -> None:
+        """Asks ``workers`` to stop, joins them (killing those still alive after
+        ``_STOP_WAIT_S``) and closes the pool's queues. Never with STATE held."""
         for w in workers:
             try:
                 w.tasks.put((W.STOP,), timeout=1.0)
@@ -358,7 +374,8 @@ class TaskPool(TaskState):
             if consumer:
                 time.sleep(0.005)
         with STATE:
-            self._stop_workers()
+            workers = self._detach_workers()
+        self._join_workers(workers)  # STATE released: other pools go on meanwhile
 
     def _pump_once(self, timeout: float) -> None:
         """Reads and handles what the workers sent (the pump lock held, STATE not)."""

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import inspect
 import os
-import signal
-import sys
 from collections import deque
 from typing import Any, Callable
 
-from .. import _C
 from ..errors import ReturnCountError
+from ..processes.worker import die_with_parent
 from .refs import Ref
 from .values import Value, discard, encode, encode_error
 
@@ -42,10 +40,10 @@ FLAG_OK, FLAG_CANCELLED = 0, 1
 
 
 def main(wid: int, tasks: Any, results: Any, initializer: Callable[..., Any] | None,
-         initargs: tuple) -> None:
-    """The worker process's target."""
-    if sys.platform.startswith("linux"):
-        _C.set_pdeathsig(signal.SIGKILL)  # the pool's process died: so do its workers
+         initargs: tuple, parent: tuple[str, int | None] = ("pdeathsig", None)) -> None:
+    """The worker process's target; ``parent`` says how it dies with the pool's process
+    (Note [Children die with their parent] in ``processes/worker.py``)."""
+    die_with_parent(parent)
     if initializer is not None:
         try:
             initializer(*initargs)
