@@ -40,7 +40,8 @@
 // most one counted reference per block (its BlockRefs on one block share it), marked by its
 // bit in the block's HolderMask. The bit is set after the reference is counted and cleared
 // before it is dropped, so a process killed in between leaks one reference, never frees a
-// block early. A reclaimer (the owner, when its pool runs dry, or empty_cache()) reaps the
+// block early. A reclaimer (the owner's reclaim thread after a pool ran dry: Note [Reclaiming off the
+// allocation path] in arena.h; or empty_cache()) reaps the
 // dead holders' slots (Note [Holder tables]: a second reclaimer only takes over from a dead
 // one): for each, it clears the dead holder's bits one by one with an atomic AND (whoever
 // clears a bit drops that one reference), then frees the slot. So a SIGKILLed receiver's

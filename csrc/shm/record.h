@@ -16,7 +16,10 @@
 // [Block lifetime]): the receiver takes it over (attach) or gives it back (release), and a
 // frame nobody will take is released by release_frame. The reader trusts nothing in it:
 // lengths, ndim and the location are checked before any use; the dtype code and shape are
-// checked again by torch/numpy when the view is made (bounds: Note [Checking extents]).
+// checked again by torch/numpy when the view is made: the view is made over the block's
+// buffer, whose length is the block's capacity, so torch.frombuffer, set_ and numpy refuse an
+// extent past it. Which tensors take records: Note [Which tensors take records] in
+// torch_mp_ext/sharing/records.py.
 #pragma once
 
 #include <cstdint>

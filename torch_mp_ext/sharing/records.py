@@ -1,6 +1,7 @@
-"""Plain CPU tensors on arena blocks as flat records (Note [Lean tensor records]).
+"""Plain CPU tensors on arena blocks as flat records (Note [Lean tensor records] in
+``csrc/shm/record.h``: the layout, and why).
 
-Note [Lean tensor records]
+Note [Which tensors take records]
 A queue item that is exactly one ``torch.Tensor`` (not a subclass, not a Parameter) with a
 real dtype, strided, on the CPU and not a non-leaf of autograd, crosses as a fixed-layout
 record (``csrc/shm/record.h``) in a frame of its own tag, built by one C++ call on each side
