@@ -21,6 +21,7 @@
 #include "shm/layout.h"
 #include "shm/reaper.h"
 #include "shm/segment.h"
+#include "shm/sigbus.h"
 #include "sync/holders.h"
 
 namespace torch_mp_ext {
@@ -118,6 +119,28 @@ bool unheld(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+/// Gives the new member table at `fd` its pages before anything writes them (Note [A session
+/// on a full /dev/shm]); false when /dev/shm (or RLIMIT_FSIZE) has no room for it.
+bool reserve_table(int fd) {
+  if (!file_size_allowed(sizeof(SessionTable))) return false;
+  int rc;
+  do {
+    rc = ::posix_fallocate(fd, 0, static_cast<off_t>(sizeof(SessionTable)));
+  } while (rc == EINTR);
+  if (rc == EINVAL || rc == EOPNOTSUPP) {  // no fallocate here: sized only, the guard watches
+    int r;
+    do {
+      r = ::ftruncate(fd, static_cast<off_t>(sizeof(SessionTable)));
+    } while (r != 0 && errno == EINTR);
+    return r == 0;
+  }
+  return rc == 0;
+}
+
+}  // namespace
+
 bool session_join(uint64_t tag, int root, bool create) {
   if (g_table != nullptr) return g_tag == tag;
   char name[NAME_CAPACITY];
@@ -126,7 +149,7 @@ bool session_join(uint64_t tag, int root, bool create) {
   UniqueFd fd(::shm_open(name, flags, 0600));
   if (!fd.valid()) return false;
   struct stat st;
-  bool sized = create ? ::ftruncate(fd.get(), sizeof(SessionTable)) == 0
+  bool sized = create ? reserve_table(fd.get())
                       : ::fstat(fd.get(), &st) == 0 &&
                             static_cast<size_t>(st.st_size) >= sizeof(SessionTable);
   void* p = sized ? ::mmap(nullptr, sizeof(SessionTable), PROT_READ | PROT_WRITE, MAP_SHARED,
@@ -137,13 +160,24 @@ bool session_join(uint64_t tag, int root, bool create) {
     return false;
   }
   auto* t = static_cast<SessionTable*>(p);
-  if (create) {
-    new (t) SessionTable();  // zero-filled pages: every slot free
-    t->tag = tag;
-    t->pidns = pid_namespace_id();
-    t->magic.store(SESSION_MAGIC, std::memory_order_release);
-  } else if (t->magic.load(std::memory_order_acquire) != SESSION_MAGIC || t->tag != tag) {
+  install_sigbus_handler();  // Note [A session on a full /dev/shm]
+  bool ok;
+  {
+    SigbusGuard guard;
+    if (create) {
+      new (t) SessionTable();  // zero-filled pages: every slot free
+      t->tag = tag;
+      t->pidns = pid_namespace_id();
+      t->magic.store(SESSION_MAGIC, std::memory_order_release);
+      ok = !guard.lost();
+    } else {
+      ok = t->magic.load(std::memory_order_acquire) == SESSION_MAGIC && t->tag == tag &&
+           !guard.lost();
+    }
+  }
+  if (!ok) {
     ::munmap(p, sizeof(SessionTable));
+    if (create) ::shm_unlink(name);
     return false;
   }
   g_table = t;
@@ -221,20 +255,29 @@ std::vector<std::string> reap_dead_sessions(bool dry_run) {
   }
   std::vector<std::string> removed;
   for (const std::string& name : tables) {
+    // Read with pread, never mapped: a table whose root died before writing it (magic 0)
+    // may have no pages, and touching one on a full /dev/shm is a SIGBUS (Note [A session on
+    // a full /dev/shm]); reading a hole returns zeros and allocates nothing.
     UniqueFd fd(::shm_open(("/" + name).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0));
-    struct stat st;
-    if (!fd.valid() || ::fstat(fd.get(), &st) != 0 ||
-        static_cast<size_t>(st.st_size) < sizeof(SessionTable)) {
-      continue;
+    if (!fd.valid()) continue;
+    alignas(SessionTable) unsigned char buf[sizeof(SessionTable)] = {};
+    ssize_t n;
+    do {
+      n = ::pread(fd.get(), buf, sizeof(buf), 0);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) continue;
+    auto* t = reinterpret_cast<SessionTable*>(buf);
+    uint64_t magic = static_cast<size_t>(n) >= sizeof(uint64_t) ? t->magic.load() : 0;
+    if (magic == SESSION_MAGIC && static_cast<size_t>(n) == sizeof(SessionTable)) {
+      if (members_alive(t)) continue;
+      for (std::string& s : sweep_names(static_cast<uint32_t>(t->tag), dry_run)) {
+        removed.push_back(std::move(s));
+      }
+    } else if (magic != 0 && static_cast<size_t>(n) == sizeof(SessionTable)) {
+      continue;  // not a table of ours (another layout): left alone
     }
-    void* p = ::mmap(nullptr, sizeof(SessionTable), PROT_READ, MAP_SHARED, fd.get(), 0);
-    if (p == MAP_FAILED) continue;
-    auto* t = static_cast<SessionTable*>(p);
-    bool over = t->magic.load(std::memory_order_acquire) == SESSION_MAGIC && !members_alive(t);
-    uint32_t tag32 = static_cast<uint32_t>(t->tag);
-    ::munmap(p, sizeof(SessionTable));
-    if (!over) continue;
-    for (std::string& n : sweep_names(tag32, dry_run)) removed.push_back(std::move(n));
+    // else never finished (magic 0, or short): its root died making it, so no member
+    // joined and no name carries its tag
     if (dry_run || unlink_name("/" + name)) removed.push_back(name);
   }
   return removed;

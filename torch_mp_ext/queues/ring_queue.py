@@ -235,8 +235,9 @@ def _rebuild_simple(cls: type, handle: tuple, read_fd: Any, write_fd: Any) -> An
 
 def _sparse_block(capacity: int) -> tuple[Any, int]:
     """(block, bytes the ring may grow to) for a growable ring: MAX_GROW_BYTES of address
-    space, or less where the address space is limited (``ulimit -v``): each try that fails
-    with ENOMEM asks for a quarter, down to a fixed ring of ``capacity``."""
+    space, or less where the address space (``ulimit -v``) or the file size (``ulimit -f``:
+    Note [File size limit] in ``csrc/shm/segment.cpp``) is limited: each try refused with
+    ENOMEM or EFBIG asks for a quarter, down to a fixed ring of ``capacity``."""
     grow_to = MAX_GROW_BYTES
     while True:
         try:
@@ -244,7 +245,7 @@ def _sparse_block(capacity: int) -> tuple[Any, int]:
                                        _C.Ring.footprint(capacity), _RING_NAMED)
             return block, grow_to
         except OSError as e:
-            if e.errno != errno.ENOMEM or grow_to <= capacity:
+            if e.errno not in (errno.ENOMEM, errno.EFBIG) or grow_to <= capacity:
                 raise
             grow_to = max(grow_to // 4, capacity)
 

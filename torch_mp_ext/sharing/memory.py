@@ -218,6 +218,13 @@ def _join_session() -> None:
             return
     except ValueError:
         pass  # none inherited (or not ours): this process is a root
+    # A new root sweeps the runs whose processes are all dead (one /dev/shm listing when there
+    # are none): Note [A session on a full /dev/shm] in csrc/shm/session.h.
+    try:
+        _C.reap_dead_sessions(dry_run=False)
+    except OSError as exc:  # never worth failing the import for: `cleanup` does it too
+        log.debug("sweeping the sessions of dead runs failed (%s): `python -m torch_mp_ext "
+                  "cleanup` removes them", exc)
     tag = int.from_bytes(os.urandom(8), "little") | 1
     if _C.session_join(tag, os.getpid(), True):
         os.environ[SESSION_ENV] = f"{tag:016x}:{os.getpid()}"
