@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .. import _C
+from .limits import check_request
 from .strategy import get_sharing_strategy
 
 __all__ = [
@@ -72,6 +73,7 @@ def allocate(nbytes: int, strategy: Optional[str] = None) -> _C.Block:
     """A new block of at least ``nbytes`` for ``strategy`` (default: the current one)."""
     global _used_file_system
     named = (strategy or get_sharing_strategy()) == "file_system"
+    check_request(nbytes, named)  # Note [Requests beyond memory]
     _used_file_system |= named
     return _C.allocate(nbytes, named)
 
