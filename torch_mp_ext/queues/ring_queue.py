@@ -465,9 +465,12 @@ class _RingQueue:
 
         Raises:
             queue.Empty: nothing arrived in time.
+            TypeError: ``max_items`` is not an integer.
             ValueError: the queue is closed, or ``max_items`` < 1.
         """
         self._check_closed()
+        if isinstance(max_items, bool) or not isinstance(max_items, int):
+            raise TypeError(f"max_items must be an integer, got {type(max_items).__name__}")
         if max_items < 1:
             raise ValueError(f"max_items must be at least 1, got {max_items}")
         status, payloads, tags = self._ring.get_many(max_items, _timeout(block, timeout))
