@@ -208,7 +208,8 @@ class CudaSharingWarning(RuntimeWarning):
     """
 
 
-_OSERROR_AS_SHARED_MEMORY = {_errno.ENOSPC, _errno.ENOMEM, _errno.EMFILE, _errno.ENFILE}
+_OSERROR_AS_SHARED_MEMORY = {_errno.ENOSPC, _errno.ENOMEM, _errno.EMFILE, _errno.ENFILE,
+                             _errno.EFBIG}
 
 
 def _with_fd_fix(err: int, message: str) -> str:
