@@ -26,7 +26,7 @@ import os
 
 from ..errors import SharedMemoryLimitError
 
-__all__ = ["check_request"]
+__all__ = ["check_request", "cgroup_memory_dirs"]
 
 _UNLIMITED = 1 << 62
 #: Requests this small are not checked (any machine holds them; a smaller /dev/shm answers
@@ -57,6 +57,24 @@ def _read_int(path: str) -> int | None:
     return int(value) if value.isdigit() else None  # "max" (v2): no limit
 
 
+def cgroup_memory_dirs() -> list[tuple[int, str]]:
+    """(cgroup version, directory) of this process's memory cgroups (v2 and v1)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    dirs = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        path = path.rstrip("/")
+        if controllers == "":
+            dirs += [(2, f"/sys/fs/cgroup{path}"), (2, f"/sys/fs/cgroup/unified{path}")]
+        elif "memory" in controllers.split(","):
+            dirs.append((1, f"/sys/fs/cgroup/{controllers}{path}"))
+    return [(version, d) for version, d in dirs if os.path.isdir(d)]
+
+
 def _cgroup_limit(version: int, directory: str, swap: int) -> int | None:
     """Bytes of memory plus swap the cgroup at ``directory`` allows, or None: no limit."""
     if version == 2:
@@ -76,15 +94,13 @@ def _cgroup_limit(version: int, directory: str, swap: int) -> int | None:
 def _memory_bounds() -> tuple[tuple[int, str], ...]:
     """(bytes, what) for each bound on memory this process can have (Note [Requests beyond
     memory]); read once."""
-    from ..processes.exits import _cgroup_dirs
-
     info = _meminfo()
     swap = info.get("SwapTotal", 0)
     bounds = []
     if "MemTotal" in info:
         bounds.append((info["MemTotal"] + swap, "this machine's memory (MemTotal + SwapTotal "
                                                  "in /proc/meminfo)"))
-    for version, directory in _cgroup_dirs():
+    for version, directory in cgroup_memory_dirs():
         root = "/sys/fs/cgroup"
         d = directory
         while d.startswith(root) and len(d) > len(root):  # ancestors limit it too
