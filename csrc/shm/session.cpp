@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <new>
 
 #include "common/unique_fd.h"
@@ -30,6 +31,8 @@ namespace {
 
 constexpr uint64_t SESSION_MAGIC = 0x314e4f4953534d54ULL;  // "TMSSION1" little-endian
 constexpr size_t MAX_MEMBERS = 128;
+/// A half-made table (magic 0) this old is garbage (Note [A session on a full /dev/shm]).
+constexpr time_t HALF_MADE_TABLE_AGE_S = 10;
 
 struct SessionTable {
   std::atomic<uint64_t> magic;  ///< written last by the root
@@ -226,6 +229,14 @@ std::vector<std::string> sweep_names(uint32_t tag32, bool dry_run) {
   return removed;
 }
 
+/// A table never finished (magic 0, or short): its root died making it, so no member joined
+/// and no name carries its tag. Unless it is recent: a root in another pid namespace (a
+/// container sharing /dev/shm, whose pids look dead here) may be writing it now.
+bool half_made_long_ago(int fd) {
+  struct stat st;
+  return ::fstat(fd, &st) == 0 && ::time(nullptr) - st.st_mtime >= HALF_MADE_TABLE_AGE_S;
+}
+
 }  // namespace
 
 std::vector<std::string> session_end() {
@@ -268,16 +279,17 @@ std::vector<std::string> reap_dead_sessions(bool dry_run) {
     if (n < 0) continue;
     auto* t = reinterpret_cast<SessionTable*>(buf);
     uint64_t magic = static_cast<size_t>(n) >= sizeof(uint64_t) ? t->magic.load() : 0;
-    if (magic == SESSION_MAGIC && static_cast<size_t>(n) == sizeof(SessionTable)) {
+    bool complete = static_cast<size_t>(n) == sizeof(SessionTable);
+    if (magic == SESSION_MAGIC && complete) {
       if (members_alive(t)) continue;
       for (std::string& s : sweep_names(static_cast<uint32_t>(t->tag), dry_run)) {
         removed.push_back(std::move(s));
       }
-    } else if (magic != 0 && static_cast<size_t>(n) == sizeof(SessionTable)) {
+    } else if (magic != 0 && complete) {
       continue;  // not a table of ours (another layout): left alone
+    } else if (!half_made_long_ago(fd.get())) {
+      continue;
     }
-    // else never finished (magic 0, or short): its root died making it, so no member
-    // joined and no name carries its tag
     if (dry_run || unlink_name("/" + name)) removed.push_back(name);
   }
   return removed;

@@ -44,7 +44,9 @@
 // and joining touch it under a SigbusGuard (Note [Truncated under us]); any failure unlinks
 // what was made and leaves the process outside any session. reap_dead_sessions reads tables
 // with pread, never a mapping (a hole reads as zeros without a page), and removes the tables
-// that such deaths left half-made (magic 0) once their root is gone. A new root runs it at
+// that such deaths left half-made (magic 0) once their root is gone and the table is 10 s old
+// (a root in another pid namespace sharing /dev/shm, whose pid looks dead here, may be
+// writing a new one). A new root runs it at
 // start-up (Python: sharing/memory.py), so the tables of runs whose last process was killed
 // do not pile up in /dev/shm.
 #pragma once
