@@ -18,6 +18,7 @@
 #include "common/arith.h"
 #include "common/check.h"
 #include "platform/process.h"
+#include "shm/file_limit.h"
 #include "shm/session.h"
 #include "shm/sigbus.h"
 #include "shm/unmapper.h"
@@ -77,19 +78,6 @@ std::string no_fd_hint() {
       "fd. Free tensors it no longer needs (the fds of unused segments are released and this "
       "call retried automatically), raise the limit (ulimit -n, or resource.setrlimit), or "
       "use set_sharing_strategy('file_system')");
-}
-
-/// EFBIG naming RLIMIT_FSIZE, before any ftruncate could raise SIGXFSZ (Note [File size
-/// limit]).
-[[noreturn]] void throw_file_too_big(size_t size, const std::string& resource) {
-  struct rlimit fsize {};
-  ::getrlimit(RLIMIT_FSIZE, &fsize);
-  throw SyscallError(
-      EFBIG, "ftruncate", resource,
-      detail::str_cat("a shared-memory file of ", size, " bytes (", human_bytes(size),
-                      ") exceeds this process's file-size limit (RLIMIT_FSIZE=",
-                      fsize.rlim_cur, " bytes, ulimit -f): raise it (ulimit -f unlimited, or "
-                      "resource.setrlimit(resource.RLIMIT_FSIZE, ...)) or ask for less"));
 }
 
 /// ftruncate + posix_fallocate: pages are reserved now, so a full /dev/shm is an error here
@@ -507,19 +495,6 @@ std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t ex
     throw;
   }
   return mapping;
-}
-
-// Note [File size limit]
-// RLIMIT_FSIZE (`ulimit -f`, set by batch schedulers) bounds every file a process makes,
-// memfds and /dev/shm files included, and a process that ftruncates past it is sent SIGXFSZ,
-// whose default action kills it (Python ignores it, so there it is EFBIG; a program that
-// embeds Python may not). So sizes are checked against the limit first, and a request past
-// it is EFBIG naming the limit, with no signal. Growable rings ask for less address space
-// when refused (queues/ring_queue.py: _sparse_block).
-bool file_size_allowed(uint64_t size) {
-  struct rlimit fsize {};
-  if (::getrlimit(RLIMIT_FSIZE, &fsize) != 0 || fsize.rlim_cur == RLIM_INFINITY) return true;
-  return size <= static_cast<uint64_t>(fsize.rlim_cur);
 }
 
 bool unlink_name(const std::string& name) {

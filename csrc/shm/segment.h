@@ -127,11 +127,6 @@ std::shared_ptr<Mapping> map_segment_fd(UniqueFd fd, uint64_t expected_id,
 std::shared_ptr<Mapping> open_named_segment(const std::string& name, uint64_t expected_id,
                                             uint64_t expected_size = 0);
 
-/// Whether this process may make a file of `size` bytes (RLIMIT_FSIZE, `ulimit -f`): asked
-/// before every ftruncate/posix_fallocate, since exceeding it raises SIGXFSZ (Note [File size
-/// limit]).
-bool file_size_allowed(uint64_t size);
-
 /// shm_unlink that tolerates ENOENT (someone else won the race); true if this call removed it.
 bool unlink_name(const std::string& name);
 

@@ -19,6 +19,7 @@
 
 #include "common/unique_fd.h"
 #include "platform/process.h"
+#include "shm/file_limit.h"
 #include "shm/layout.h"
 #include "shm/reaper.h"
 #include "shm/segment.h"

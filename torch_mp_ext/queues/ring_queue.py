@@ -236,7 +236,7 @@ def _rebuild_simple(cls: type, handle: tuple, read_fd: Any, write_fd: Any) -> An
 def _sparse_block(capacity: int) -> tuple[Any, int]:
     """(block, bytes the ring may grow to) for a growable ring: MAX_GROW_BYTES of address
     space, or less where the address space (``ulimit -v``) or the file size (``ulimit -f``:
-    Note [File size limit] in ``csrc/shm/segment.cpp``) is limited: each try refused with
+    Note [File size limit] in ``csrc/shm/file_limit.h``) is limited: each try refused with
     ENOMEM or EFBIG asks for a quarter, down to a fixed ring of ``capacity``."""
     grow_to = MAX_GROW_BYTES
     while True:
