@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import torch_mp_ext as mp
+from torch_mp_ext import _C
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKERS = os.path.join(HERE, "_limits_workers.py")
@@ -125,22 +126,32 @@ def test_dead_roots_session_table_is_swept_by_the_next_root():
 def test_close_after_put_delivers_to_child(ctx, order):
     import _limits_workers as workers
 
-    for _ in range(5 if ctx.get_start_method() == "fork" else 2):
-        q, out = ctx.Queue(), ctx.Queue()
-        p = ctx.Process(target=workers.reads_one, args=(q, out))
-        if order == "put_start_close":
-            q.put(42)
-            p.start()
-        else:
-            p.start()
-            q.put(42)
-        q.close()  # this process puts no more; the item is the child's
-        try:
-            assert out.get(timeout=workers.TIMEOUT) == ("ok", 42)
-        finally:
-            p.join(workers.TIMEOUT)
-        assert p.exitcode == 0
-        out.close()
+    # A fork child whose at-fork handlers run late: before the fix the parent's close()
+    # drained the item every time (Note [Fork children hold before they run]).
+    _C._set_fork_child_delay(200 if ctx.get_start_method() == "fork" else 0)
+    try:
+        for _ in range(3 if ctx.get_start_method() == "fork" else 2):
+            _close_after_put_once(ctx, order, workers)
+    finally:
+        _C._set_fork_child_delay(0)
+
+
+def _close_after_put_once(ctx, order, workers) -> None:
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=workers.reads_one, args=(q, out))
+    if order == "put_start_close":
+        q.put(42)
+        p.start()
+    else:
+        p.start()
+        q.put(42)
+    q.close()  # this process puts no more; the item is the child's
+    try:
+        assert out.get(timeout=workers.TIMEOUT) == ("ok", 42)
+    finally:
+        p.join(workers.TIMEOUT)
+    assert p.exitcode == 0
+    out.close()
 
 
 # ---- D5 and argument errors ---------------------------------------------------------------
