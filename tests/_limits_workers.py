@@ -86,6 +86,24 @@ def beyond_memory() -> None:
     print("ok")
 
 
+def beyond_cgroup() -> None:
+    """In a 1 GiB memory cgroup: 2 GiB is refused at once, naming the cgroup; 64 MiB works."""
+    import torch
+
+    import torch_mp_ext as mp
+    from torch_mp_ext.errors import SharedMemoryLimitError
+
+    try:
+        mp.empty(2 << 30, dtype=torch.uint8)
+    except SharedMemoryLimitError as exc:
+        assert "memory limit of its cgroup" in str(exc), exc
+        print(str(exc))
+    else:
+        raise AssertionError("2 GiB in a 1 GiB cgroup did not raise")
+    assert mp.empty(64 << 20, dtype=torch.uint8).numel() == 64 << 20
+    print("ok")
+
+
 def file_size_limit() -> None:
     """Under ``ulimit -f 4194304`` (4 GiB), unbounded queues work and nothing sends SIGXFSZ."""
     limit = 4194304 * 1024

@@ -96,6 +96,40 @@ def test_request_beyond_memory_raises_at_once():
     _ok(_run(sys.executable, WORKERS, "beyond_memory"))
 
 
+def _child_memory_cgroup(limit: int) -> str:
+    """A new memory cgroup under this process's (v1, or v2 with the controller on) limited to
+    ``limit`` bytes; "" where none can be made here."""
+    from torch_mp_ext.sharing.limits import cgroup_memory_dirs
+
+    for version, parent in cgroup_memory_dirs():
+        path = os.path.join(parent, f"tmx_test_{os.getpid()}")
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(path, "memory.max" if version == 2
+                                   else "memory.limit_in_bytes"), "w") as f:
+                f.write(str(limit))
+            return path
+        except OSError:
+            os.rmdir(path)
+    return ""
+
+
+def test_request_beyond_the_cgroup_limit_raises_at_once():
+    path = _child_memory_cgroup(1 << 30)
+    if not path:
+        pytest.skip("no memory cgroup can be made here (needs root and a writable cgroupfs)")
+    try:
+        out = _run("sh", "-c", f"echo $$ > {path}/cgroup.procs && exec {sys.executable} "
+                               f"{WORKERS} beyond_cgroup")
+        _ok(out)
+        assert path in out.stdout, out.stdout  # the message names the cgroup
+    finally:
+        os.rmdir(path)  # its one process has exited
+
+
 def test_queues_work_under_a_file_size_limit():
     _ok(_run(sys.executable, WORKERS, "file_size_limit"))
 

@@ -121,10 +121,6 @@ bool unheld(const std::string& path) {
   });
 }
 
-}  // namespace
-
-namespace {
-
 /// Gives the new member table at `fd` its pages before anything writes them (Note [A session
 /// on a full /dev/shm]); false when /dev/shm (or RLIMIT_FSIZE) has no room for it.
 bool reserve_table(int fd) {
