@@ -29,8 +29,8 @@ def _creator_alive_elsewhere(name: str) -> bool:
     """True for torch_<pid>_... names of a live process other than this one: another
     program's segments (a concurrent test run), not this test's leak. A leaking child of
     this test is caught as a leftover process; a dead one's segments still count."""
-    try:
-        pid = int(name.split("_")[1])
+    try:  # torch_<pid>_..., tmx_<pid>_..., and tests/_fuzz_worker.py's torch_fz<pid>_...
+        pid = int(name.split("_")[1].removeprefix("fz"))
     except (IndexError, ValueError):
         return False
     if pid == os.getpid():

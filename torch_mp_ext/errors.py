@@ -25,6 +25,7 @@ from torch.multiprocessing.spawn import ProcessRaisedException as _TorchProcessR
 __all__ = [
     "TorchMPExtError",
     "SharedMemoryError",
+    "SharedMemoryLimitError",
     "CorruptSegmentError",
     "PeerDiedError",
     "InvalidSharingStrategyError",
@@ -59,6 +60,16 @@ class SharedMemoryError(TorchMPExtError, OSError):
 
     ``errno``, ``strerror`` (the whole explanation, with the fix) and ``filename`` (the
     resource) are set as for any ``OSError``.
+    """
+
+
+class SharedMemoryLimitError(SharedMemoryError, MemoryError, RuntimeError):
+    """A request for more shared memory than this machine, its memory cgroup or (for the
+    ``file_system`` strategy) ``/dev/shm`` can ever hold, refused before anything is reserved.
+
+    A :class:`SharedMemoryError` (an ``OSError``, ``errno.ENOMEM``), a ``MemoryError``, and a
+    ``RuntimeError``, which is what ``torch.empty`` raises for such a size ("can't allocate
+    memory"): ``except`` clauses written for either keep matching.
     """
 
 
@@ -197,7 +208,8 @@ class CudaSharingWarning(RuntimeWarning):
     """
 
 
-_OSERROR_AS_SHARED_MEMORY = {_errno.ENOSPC, _errno.ENOMEM, _errno.EMFILE, _errno.ENFILE}
+_OSERROR_AS_SHARED_MEMORY = {_errno.ENOSPC, _errno.ENOMEM, _errno.EMFILE, _errno.ENFILE,
+                             _errno.EFBIG}
 
 
 def _with_fd_fix(err: int, message: str) -> str:

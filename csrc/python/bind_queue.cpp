@@ -19,6 +19,17 @@
 // stack while live processes still used it, and the next queue created got the same ring:
 // two live queues delivering each other's items (issue 12). So a dead holder found by the
 // ring only triggers the segment's reclaim, which drops each dead process's bit exactly once.
+//
+// Note [Fork children hold before they run]
+// A fork child's copy of a queue object is a holder (Note [Ring holders]), but its at-fork
+// hook runs only once the child is scheduled, while the parent goes on at once: a parent that
+// put an item, started a fork child and closed its queue (`q.put(x); p.start(); q.close()`)
+// found itself the last holder and drained the item meant for the child (issue 35, D0). So,
+// as with block references (Note [Mappings and fork] in shm/registry.h), the parent counts
+// the child's holder before the fork, in flight (count_fork_child, from os.register_at_fork's
+// `before` hook), and the child adopts it (attach_inherited). A fork that fails, or a child
+// killed before its hook ran, leaves that holder in flight: the ring then lives until its
+// segment's owner exits (a leak, never an early drain).
 #include <pybind11/stl.h>
 
 #include <algorithm>
@@ -300,8 +311,28 @@ class RingHandle {
     return last;
   }
 
+  /// Note [Fork children hold before they run]: before fork, counts the child's copy of this
+  /// object as a holder in flight; False if this object holds nothing to inherit.
+  bool count_fork_child() {
+    fork_counted_ = attached_ && !released_;
+    if (fork_counted_) ring_.share_holder();
+    return fork_counted_;
+  }
+
+  /// In the parent after fork: the child (or a failed fork) owns what was counted.
+  void fork_parent_done() { fork_counted_ = false; }
+
+  /// After fork, in the child: its copy of this object becomes a holder, adopting the one
+  /// the parent counted before the fork (or counting one now if the fork ran no hook).
   void attach_inherited() {
-    if (attached_ && !released_) ring_.add_holders(1);
+    bool counted = fork_counted_;
+    fork_counted_ = false;
+    if (!attached_ || released_) return;
+    if (counted) {
+      ring_.adopt_shared_holder();
+    } else {
+      ring_.add_holders(1);
+    }
   }
 
   /// Drops the block reference now, unless a call in another thread still uses the ring.
@@ -381,6 +412,7 @@ class RingHandle {
   std::atomic<bool> closed_{false};
   bool attached_ = true;
   bool released_ = false;
+  bool fork_counted_ = false;  ///< Note [Fork children hold before they run]
   int busy_ = 0;  ///< calls using the ring now (changed with the GIL held)
 };
 
@@ -440,8 +472,12 @@ void init_queue(py::module_& m) {
            "Stops holding the ring (reaping dead holders); True if no holder is left.")
       .def("release", &RingHandle::release,
            "After detach(): drops the block reference now (False if a call still runs).")
+      .def("count_fork_child", &RingHandle::count_fork_child,
+           "Before fork: counts the child's copy as a holder in flight (True if it holds).")
+      .def("fork_parent_done", &RingHandle::fork_parent_done,
+           "After fork, in the parent: forgets the count made for the child.")
       .def("attach_inherited", &RingHandle::attach_inherited,
-           "After fork: the child's copy of this object counts as a holder too.")
+           "After fork, in the child: this copy becomes a holder (adopting the parent's count).")
       .def("qsize", [](RingHandle& r) { return r.counts().count; })
       .def(
           "counts",

@@ -18,6 +18,7 @@
 #include "common/arith.h"
 #include "common/check.h"
 #include "platform/process.h"
+#include "shm/file_limit.h"
 #include "shm/session.h"
 #include "shm/sigbus.h"
 #include "shm/unmapper.h"
@@ -83,6 +84,7 @@ std::string no_fd_hint() {
 /// instead of a SIGBUS at first touch (Note [Segment layout]).
 /// `upto`: bytes from the start to reserve (the rest stays sparse: Note [Ring growth]).
 void reserve(int fd, size_t size, size_t upto, const std::string& resource, bool in_dev_shm) {
+  if (!file_size_allowed(size)) throw_file_too_big(size, resource);
   TMX_SYSCHECK(::ftruncate(fd, static_cast<off_t>(size)), "ftruncate", resource);
   int rc;
   do {

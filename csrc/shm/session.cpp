@@ -14,13 +14,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <new>
 
 #include "common/unique_fd.h"
 #include "platform/process.h"
+#include "shm/file_limit.h"
 #include "shm/layout.h"
 #include "shm/reaper.h"
 #include "shm/segment.h"
+#include "shm/sigbus.h"
 #include "sync/holders.h"
 
 namespace torch_mp_ext {
@@ -29,6 +32,8 @@ namespace {
 
 constexpr uint64_t SESSION_MAGIC = 0x314e4f4953534d54ULL;  // "TMSSION1" little-endian
 constexpr size_t MAX_MEMBERS = 128;
+/// A half-made table (magic 0) this old is garbage (Note [A session on a full /dev/shm]).
+constexpr time_t HALF_MADE_TABLE_AGE_S = 10;
 
 struct SessionTable {
   std::atomic<uint64_t> magic;  ///< written last by the root
@@ -116,6 +121,24 @@ bool unheld(const std::string& path) {
   });
 }
 
+/// Gives the new member table at `fd` its pages before anything writes them (Note [A session
+/// on a full /dev/shm]); false when /dev/shm (or RLIMIT_FSIZE) has no room for it.
+bool reserve_table(int fd) {
+  if (!file_size_allowed(sizeof(SessionTable))) return false;
+  int rc;
+  do {
+    rc = ::posix_fallocate(fd, 0, static_cast<off_t>(sizeof(SessionTable)));
+  } while (rc == EINTR);
+  if (rc == EINVAL || rc == EOPNOTSUPP) {  // no fallocate here: sized only, the guard watches
+    int r;
+    do {
+      r = ::ftruncate(fd, static_cast<off_t>(sizeof(SessionTable)));
+    } while (r != 0 && errno == EINTR);
+    return r == 0;
+  }
+  return rc == 0;
+}
+
 }  // namespace
 
 bool session_join(uint64_t tag, int root, bool create) {
@@ -126,7 +149,7 @@ bool session_join(uint64_t tag, int root, bool create) {
   UniqueFd fd(::shm_open(name, flags, 0600));
   if (!fd.valid()) return false;
   struct stat st;
-  bool sized = create ? ::ftruncate(fd.get(), sizeof(SessionTable)) == 0
+  bool sized = create ? reserve_table(fd.get())
                       : ::fstat(fd.get(), &st) == 0 &&
                             static_cast<size_t>(st.st_size) >= sizeof(SessionTable);
   void* p = sized ? ::mmap(nullptr, sizeof(SessionTable), PROT_READ | PROT_WRITE, MAP_SHARED,
@@ -137,13 +160,24 @@ bool session_join(uint64_t tag, int root, bool create) {
     return false;
   }
   auto* t = static_cast<SessionTable*>(p);
-  if (create) {
-    new (t) SessionTable();  // zero-filled pages: every slot free
-    t->tag = tag;
-    t->pidns = pid_namespace_id();
-    t->magic.store(SESSION_MAGIC, std::memory_order_release);
-  } else if (t->magic.load(std::memory_order_acquire) != SESSION_MAGIC || t->tag != tag) {
+  install_sigbus_handler();  // Note [A session on a full /dev/shm]
+  bool ok;
+  {
+    SigbusGuard guard;
+    if (create) {
+      new (t) SessionTable();  // zero-filled pages: every slot free
+      t->tag = tag;
+      t->pidns = pid_namespace_id();
+      t->magic.store(SESSION_MAGIC, std::memory_order_release);
+      ok = !guard.lost();
+    } else {
+      ok = t->magic.load(std::memory_order_acquire) == SESSION_MAGIC && t->tag == tag &&
+           !guard.lost();
+    }
+  }
+  if (!ok) {
     ::munmap(p, sizeof(SessionTable));
+    if (create) ::shm_unlink(name);
     return false;
   }
   g_table = t;
@@ -192,6 +226,14 @@ std::vector<std::string> sweep_names(uint32_t tag32, bool dry_run) {
   return removed;
 }
 
+/// A table never finished (magic 0, or short): its root died making it, so no member joined
+/// and no name carries its tag. Unless it is recent: a root in another pid namespace (a
+/// container sharing /dev/shm, whose pids look dead here) may be writing it now.
+bool half_made_long_ago(int fd) {
+  struct stat st;
+  return ::fstat(fd, &st) == 0 && ::time(nullptr) - st.st_mtime >= HALF_MADE_TABLE_AGE_S;
+}
+
 }  // namespace
 
 std::vector<std::string> session_end() {
@@ -221,20 +263,30 @@ std::vector<std::string> reap_dead_sessions(bool dry_run) {
   }
   std::vector<std::string> removed;
   for (const std::string& name : tables) {
+    // Read with pread, never mapped: a table whose root died before writing it (magic 0)
+    // may have no pages, and touching one on a full /dev/shm is a SIGBUS (Note [A session on
+    // a full /dev/shm]); reading a hole returns zeros and allocates nothing.
     UniqueFd fd(::shm_open(("/" + name).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW, 0));
-    struct stat st;
-    if (!fd.valid() || ::fstat(fd.get(), &st) != 0 ||
-        static_cast<size_t>(st.st_size) < sizeof(SessionTable)) {
+    if (!fd.valid()) continue;
+    alignas(SessionTable) unsigned char buf[sizeof(SessionTable)] = {};
+    ssize_t n;
+    do {
+      n = ::pread(fd.get(), buf, sizeof(buf), 0);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) continue;
+    auto* t = reinterpret_cast<SessionTable*>(buf);
+    uint64_t magic = static_cast<size_t>(n) >= sizeof(uint64_t) ? t->magic.load() : 0;
+    bool complete = static_cast<size_t>(n) == sizeof(SessionTable);
+    if (magic == SESSION_MAGIC && complete) {
+      if (members_alive(t)) continue;
+      for (std::string& s : sweep_names(static_cast<uint32_t>(t->tag), dry_run)) {
+        removed.push_back(std::move(s));
+      }
+    } else if (magic != 0 && complete) {
+      continue;  // not a table of ours (another layout): left alone
+    } else if (!half_made_long_ago(fd.get())) {
       continue;
     }
-    void* p = ::mmap(nullptr, sizeof(SessionTable), PROT_READ, MAP_SHARED, fd.get(), 0);
-    if (p == MAP_FAILED) continue;
-    auto* t = static_cast<SessionTable*>(p);
-    bool over = t->magic.load(std::memory_order_acquire) == SESSION_MAGIC && !members_alive(t);
-    uint32_t tag32 = static_cast<uint32_t>(t->tag);
-    ::munmap(p, sizeof(SessionTable));
-    if (!over) continue;
-    for (std::string& n : sweep_names(tag32, dry_run)) removed.push_back(std::move(n));
     if (dry_run || unlink_name("/" + name)) removed.push_back(name);
   }
   return removed;

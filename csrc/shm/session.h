@@ -34,6 +34,21 @@
 // `python -m torch_mp_ext cleanup` then finds the session's table with no live member and
 // sweeps it (reap_dead_sessions). The forkserver's
 // server leaves the table at start (it never holds handles); its children join at fork.
+//
+// Note [A session on a full /dev/shm]
+// The session is optional: a process without one works, its names are only left for
+// `cleanup` instead of swept by the run. So making the member table must never kill the
+// process (issue 35: on a full /dev/shm `import torch_mp_ext` died of SIGBUS, since tmpfs
+// allocates a page at first touch). The root reserves the table's pages (posix_fallocate,
+// after checking RLIMIT_FSIZE: Note [File size limit]) before writing it, and both creating
+// and joining touch it under a SigbusGuard (Note [Truncated under us]); any failure unlinks
+// what was made and leaves the process outside any session. reap_dead_sessions reads tables
+// with pread, never a mapping (a hole reads as zeros without a page), and removes the tables
+// that such deaths left half-made (magic 0) once their root is gone and the table is 10 s old
+// (a root in another pid namespace sharing /dev/shm, whose pid looks dead here, may be
+// writing a new one). A new root runs it at
+// start-up (Python: sharing/memory.py), so the tables of runs whose last process was killed
+// do not pile up in /dev/shm.
 #pragma once
 
 #include <cstdint>

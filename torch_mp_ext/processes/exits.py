@@ -27,6 +27,8 @@ from __future__ import annotations
 import os
 import signal
 
+from ..sharing.limits import cgroup_memory_dirs
+
 __all__ = ["explain_exit", "oom_kill_counts", "read_fault_file", "signal_name", "summarize"]
 
 _VMSTAT = "/proc/vmstat"
@@ -39,24 +41,6 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"<Unknown signal {signum}>"
-
-
-def _cgroup_dirs() -> list[tuple[int, str]]:
-    """(cgroup version, directory) of this process's memory cgroups."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    dirs = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        path = path.rstrip("/")
-        if controllers == "":
-            dirs += [(2, f"/sys/fs/cgroup{path}"), (2, f"/sys/fs/cgroup/unified{path}")]
-        elif "memory" in controllers.split(","):
-            dirs.append((1, f"/sys/fs/cgroup/{controllers}{path}"))
-    return [(version, d) for version, d in dirs if os.path.isdir(d)]
 
 
 def _read_counter(path: str, key: str) -> int | None:
@@ -76,7 +60,7 @@ def oom_kill_counts() -> dict[str, int]:
     counts = {}
     paths = [
         os.path.join(d, "memory.events" if version == 2 else "memory.oom_control")
-        for version, d in _cgroup_dirs()
+        for version, d in cgroup_memory_dirs()
     ]
     for path in paths + [_VMSTAT]:
         count = _read_counter(path, "oom_kill")
@@ -86,7 +70,7 @@ def oom_kill_counts() -> dict[str, int]:
 
 
 def _memory_limit() -> str:
-    for version, d in _cgroup_dirs():
+    for version, d in cgroup_memory_dirs():
         name = "memory.max" if version == 2 else "memory.limit_in_bytes"
         try:
             with open(os.path.join(d, name)) as f:

@@ -23,7 +23,8 @@ numpy arrays count for a few dozen bytes each, whatever their size.
 Note [Queue lifetime]
 Each queue object, in each process, is one *holder* of the ring (``Ring.holders``, a count in
 shared memory): the creator, every unpickled copy (the pickle carries the holder it will
-become) and every copy a fork inherits (counted by an at-fork hook). A holder stops holding
+become) and every copy a fork inherits (counted in the parent before the fork: Note [Fork
+children hold before they run] in ``csrc/python/bind_queue.cpp``). A holder stops holding
 when the object is garbage collected, closed, or its process exits normally (an exit
 finalizer, which forked multiprocessing children re-register). The holder that takes the
 count to zero, in whichever process, drains what is left and drops the references those
@@ -115,7 +116,7 @@ _held: weakref.WeakSet[_C.Ring] = weakref.WeakSet()
 
 
 def _let_go(ring: _C.Ring) -> None:
-    if _collecting:  # Note [Queues freed by the cycle collector]
+    if _collecting or _forking:  # Note [Queues freed by the cycle collector]
         _freed_while_collecting.append(ring)
         return
     _held.discard(ring)
@@ -133,8 +134,17 @@ def _let_go(ring: _C.Ring) -> None:
 # may still use the queue: DataLoader's iterator puts its workers' shutdown sentinels in
 # __del__. So a ring let go during a collection is kept until the collection ends (gc's "stop"
 # callback), when every __del__ of that collection has run.
+# A ring let go between the before-fork hook and the fork is kept the same way, until the
+# fork is over (Note [Fork children hold before they run] in csrc/python/bind_queue.cpp): the
+# child inherits it counted and lets go of its own copy then.
 _collecting = False
+_forking = False
 _freed_while_collecting: list[_C.Ring] = []
+
+
+def _flush_freed() -> None:
+    while _freed_while_collecting and not (_collecting or _forking):
+        _let_go(_freed_while_collecting.pop())
 
 
 def _on_gc(phase: str, info: dict) -> None:
@@ -143,8 +153,7 @@ def _on_gc(phase: str, info: dict) -> None:
         _collecting = True
         return
     _collecting = False
-    while _freed_while_collecting:
-        _let_go(_freed_while_collecting.pop())
+    _flush_freed()
 
 
 gc.callbacks.append(_on_gc)
@@ -155,9 +164,28 @@ def _let_go_all() -> None:
         _let_go(ring)
 
 
+def _before_fork() -> None:
+    """Note [Fork children hold before they run]: counts the child's holders now."""
+    global _forking
+    _forking = True
+    for ring in list(_held):
+        ring.count_fork_child()
+
+
+def _after_fork_in_parent() -> None:
+    global _forking
+    for ring in list(_held):
+        ring.fork_parent_done()
+    _forking = False
+    _flush_freed()
+
+
 def _after_fork_in_child() -> None:
+    global _forking
     for ring in list(_held):
         ring.attach_inherited()
+    _forking = False
+    _flush_freed()
 
 
 def _register_exit_hook() -> None:
@@ -165,7 +193,8 @@ def _register_exit_hook() -> None:
     multiprocessing.util.Finalize(None, _let_go_all, exitpriority=-50)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 _register_exit_hook()
 multiprocessing.util.register_after_fork(_register_exit_hook, lambda _: _register_exit_hook())
 
@@ -206,8 +235,9 @@ def _rebuild_simple(cls: type, handle: tuple, read_fd: Any, write_fd: Any) -> An
 
 def _sparse_block(capacity: int) -> tuple[Any, int]:
     """(block, bytes the ring may grow to) for a growable ring: MAX_GROW_BYTES of address
-    space, or less where the address space is limited (``ulimit -v``): each try that fails
-    with ENOMEM asks for a quarter, down to a fixed ring of ``capacity``."""
+    space, or less where the address space (``ulimit -v``) or the file size (``ulimit -f``:
+    Note [File size limit] in ``csrc/shm/file_limit.h``) is limited: each try refused with
+    ENOMEM or EFBIG asks for a quarter, down to a fixed ring of ``capacity``."""
     grow_to = MAX_GROW_BYTES
     while True:
         try:
@@ -215,7 +245,7 @@ def _sparse_block(capacity: int) -> tuple[Any, int]:
                                        _C.Ring.footprint(capacity), _RING_NAMED)
             return block, grow_to
         except OSError as e:
-            if e.errno != errno.ENOMEM or grow_to <= capacity:
+            if e.errno not in (errno.ENOMEM, errno.EFBIG) or grow_to <= capacity:
                 raise
             grow_to = max(grow_to // 4, capacity)
 
@@ -435,9 +465,12 @@ class _RingQueue:
 
         Raises:
             queue.Empty: nothing arrived in time.
+            TypeError: ``max_items`` is not an integer.
             ValueError: the queue is closed, or ``max_items`` < 1.
         """
         self._check_closed()
+        if isinstance(max_items, bool) or not isinstance(max_items, int):
+            raise TypeError(f"max_items must be an integer, got {type(max_items).__name__}")
         if max_items < 1:
             raise ValueError(f"max_items must be at least 1, got {max_items}")
         status, payloads, tags = self._ring.get_many(max_items, _timeout(block, timeout))

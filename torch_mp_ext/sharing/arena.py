@@ -106,7 +106,7 @@ def empty_like(
 
 def empty_array(shape: _SizeArg, dtype: Any = np.float64) -> np.ndarray:
     """An uninitialised numpy array in shared memory (like ``numpy.empty``)."""
-    shape = _parse_size((shape,)) if not isinstance(shape, (int, np.integer)) else (int(shape),)
+    shape = _parse_size((shape,))  # an int too: negative sizes are ValueError here
     try:
         dtype = np.dtype(dtype)
     except TypeError as exc:
@@ -131,7 +131,13 @@ def is_shared(obj: torch.Tensor | np.ndarray) -> bool:
 
     ``Tensor.is_shared()`` only knows torch's own allocators, so it answers False for
     arena tensors (see docs/migration.md).
+
+    Raises:
+        TypeError: ``obj`` is neither a tensor nor a numpy array.
     """
+    if not isinstance(obj, (torch.Tensor, np.ndarray)):
+        raise TypeError(f"is_shared() takes a tensor or a numpy array, got "
+                        f"{type(obj).__name__}")
     if isinstance(obj, np.ndarray):
         low, span = _memory.extent(obj)
         return obj.size > 0 and _C.contains(obj.__array_interface__["data"][0] + low, span)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .. import _C
+from .limits import check_request
 from .strategy import get_sharing_strategy
 
 __all__ = [
@@ -72,6 +73,7 @@ def allocate(nbytes: int, strategy: Optional[str] = None) -> _C.Block:
     """A new block of at least ``nbytes`` for ``strategy`` (default: the current one)."""
     global _used_file_system
     named = (strategy or get_sharing_strategy()) == "file_system"
+    check_request(nbytes, named)  # Note [Requests beyond memory]
     _used_file_system |= named
     return _C.allocate(nbytes, named)
 
@@ -218,6 +220,13 @@ def _join_session() -> None:
             return
     except ValueError:
         pass  # none inherited (or not ours): this process is a root
+    # A new root sweeps the runs whose processes are all dead (one /dev/shm listing when there
+    # are none): Note [A session on a full /dev/shm] in csrc/shm/session.h.
+    try:
+        _C.reap_dead_sessions(dry_run=False)
+    except OSError as exc:  # never worth failing the import for: `cleanup` does it too
+        log.debug("sweeping the sessions of dead runs failed (%s): `python -m torch_mp_ext "
+                  "cleanup` removes them", exc)
     tag = int.from_bytes(os.urandom(8), "little") | 1
     if _C.session_join(tag, os.getpid(), True):
         os.environ[SESSION_ENV] = f"{tag:016x}:{os.getpid()}"

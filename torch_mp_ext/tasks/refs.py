@@ -252,7 +252,9 @@ def wait(refs: Sequence[Ref], num_returns: int = 1,
     refs = list(refs)
     if not all(isinstance(r, Ref) for r in refs):
         raise TypeError("wait() takes a list of Refs")
-    if isinstance(num_returns, bool) or not 1 <= num_returns <= max(len(refs), 1):
+    if isinstance(num_returns, bool) or not isinstance(num_returns, int):
+        raise TypeError(f"num_returns must be an integer, got {type(num_returns).__name__}")
+    if not 1 <= num_returns <= len(refs):  # wait([]) would wait for ever
         raise ValueError(f"num_returns must be between 1 and len(refs) = {len(refs)}, "
                          f"got {num_returns!r}")
     timeout = seconds(timeout)
