@@ -182,7 +182,9 @@ def test_sigkilled_sender_leaves_no_name_once_its_peers_exit():
     q, e, out = ctx.Queue(), ctx.Event(), ctx.Queue()
     sender = ctx.Process(target=_workers.send_named_and_wait, args=(q, e))
     sender.start()
-    assert wait_until(lambda: names_of(sender.pid))  # the tensor is in flight in q
+    # The tensor is in flight in q: its name exists before put() returns, so wait for the
+    # frame itself (a SIGKILL between the two lost the item, once, under load).
+    assert wait_until(lambda: names_of(sender.pid) and q.qsize() == 1)
     os.kill(sender.pid, signal.SIGKILL)
     sender.join(60)
     peer = ctx.Process(target=_workers.receive_and_drop, args=(q, out))
