@@ -56,11 +56,12 @@ def shm_entries() -> set[str]:
 
 
 def _creator_alive_elsewhere(name: str) -> bool:
-    """True for torch_<pid>_... names of a live process other than this one: another
-    program's segments (a concurrent test run), not this test's leak. A leaking child of
-    this test is caught as a leftover process; a dead one's segments still count."""
+    """True for torch_<pid>_... (and the fuzz worker's torch_fz<pid>_...) names of a live
+    process other than this one: another program's segments (a concurrent test run), not
+    this test's leak. A leaking child of this test is caught as a leftover process; a dead
+    one's segments still count."""
     try:
-        pid = int(name.split("_")[1])
+        pid = int(name.split("_")[1].removeprefix("fz"))
     except (IndexError, ValueError):
         return False
     if pid == os.getpid():
@@ -250,12 +251,26 @@ def pytest_configure(config):
         os.environ["TMX_SLOW_TESTS"] = "1"
 
 
+#: Parameters that choose a start method. A parametrised test's "spawn" variant is in the
+#: slow tier: spawn workers import torch afresh (2-4 s each on 2 CPUs), and the test's fork
+#: and forkserver variants cover the same code in the fast tier. Tests that only make sense
+#: under spawn are not parametrised and stay where their own mark puts them.
+START_METHOD_PARAMS = ("start_method", "method")
+
+
+def is_spawn_variant(item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(params.get(name) == "spawn" for name in START_METHOD_PARAMS)
+
+
 def pytest_collection_modifyitems(config, items):
     """Keeps the chosen tier's tests (deselecting the other's) and gives slow tests their
     longer timeout."""
     slow_tier = config.getoption("--slow")
     keep, drop = [], []
     for item in items:
+        if is_spawn_variant(item) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
         slow = item.get_closest_marker("slow") is not None
         (keep if slow == slow_tier else drop).append(item)
         if slow and item.get_closest_marker("timeout") is None:
