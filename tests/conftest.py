@@ -267,13 +267,15 @@ def pytest_collection_modifyitems(config, items):
     """Keeps the chosen tier's tests (deselecting the other's) and gives slow tests their
     longer timeout."""
     slow_tier = config.getoption("--slow")
+    cli_timeout = config.getoption("timeout", None)
     keep, drop = [], []
     for item in items:
         if is_spawn_variant(item) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
         slow = item.get_closest_marker("slow") is not None
         (keep if slow == slow_tier else drop).append(item)
-        if slow and item.get_closest_marker("timeout") is None:
+        # A --timeout on the command line is for every test (0: none, for a long fuzz run).
+        if slow and item.get_closest_marker("timeout") is None and cli_timeout is None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
     if drop:
         config.hook.pytest_deselected(items=drop)

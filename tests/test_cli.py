@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -28,12 +30,14 @@ def test_doctor_reports_the_machine():
     assert "/dev/shm:" in out.stdout and "RLIMIT_NOFILE" in out.stdout
 
 
+@pytest.mark.slow  # a benchmark smoke run: 4-10 s, and only benchmarks/ depends on it
 def test_tensor_transfer_benchmark_runs():
     out = run("benchmarks/bench_tensor_transfer.py", "--repeats", "1", "--sizes", "4KB,1MB")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "| torch fd pre-shared |" in out.stdout and "WRONG DATA" not in out.stdout
 
 
+@pytest.mark.slow  # a benchmark smoke run: 5-10 s, and only benchmarks/ depends on it
 def test_pipeline_benchmark_runs_and_every_variant_agrees():
     out = run("benchmarks/bench_pipeline.py", "--arrays", "3", "--gil-arrays", "2",
               "--rounds", "1", "--gil-elements", "10")
