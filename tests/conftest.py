@@ -245,6 +245,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     global _stderr_fd
     config.addinivalue_line("markers", "no_leak_check: the test checks leaks itself")
+    config.addinivalue_line("markers", "every_tier: runs in the fast and the slow tier")
     _stderr_fd = os.dup(2)  # output capture is suspended here: fd 2 is the terminal's
     if config.getoption("--slow"):
         # Before collection: modules read it at import to size their runs (long versions).
@@ -273,7 +274,8 @@ def pytest_collection_modifyitems(config, items):
         if is_spawn_variant(item) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
         slow = item.get_closest_marker("slow") is not None
-        (keep if slow == slow_tier else drop).append(item)
+        every = item.get_closest_marker("every_tier") is not None
+        (keep if every or slow == slow_tier else drop).append(item)
         # A --timeout on the command line is for every test (0: none, for a long fuzz run).
         if slow and item.get_closest_marker("timeout") is None and cli_timeout is None:
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
