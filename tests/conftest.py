@@ -55,14 +55,21 @@ def shm_entries() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
 
 
-def _creator_alive_elsewhere(name: str) -> bool:
-    """True for torch_<pid>_... (and the fuzz worker's torch_fz<pid>_...) names of a live
-    process other than this one: another program's segments (a concurrent test run), not
-    this test's leak. A leaking child of this test is caught as a leftover process; a dead
-    one's segments still count."""
+def creator_pid(name: str) -> int | None:
+    """The creator's pid in a torch_<pid>_... or tmx_<pid>_... name (torch_fz<pid>_...: the
+    fuzz worker's), or None."""
     try:
-        pid = int(name.split("_")[1].removeprefix("fz"))
+        return int(name.split("_")[1].removeprefix("fz"))
     except (IndexError, ValueError):
+        return None
+
+
+def _creator_alive_elsewhere(name: str) -> bool:
+    """True for names of a live process other than this one (``creator_pid``): another
+    program's segments (a concurrent test run), not this test's leak. A leaking child of
+    this test is caught as a leftover process; a dead one's segments still count."""
+    pid = creator_pid(name)
+    if pid is None:
         return False
     if pid == os.getpid():
         return False

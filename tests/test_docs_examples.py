@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_pids
+from conftest import child_pids, creator_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -222,9 +222,12 @@ def _shm_of_dead_processes() -> set[str]:
     for name in os.listdir("/dev/shm"):
         if not name.startswith(("torch_", "tmx_")):
             continue
+        pid = creator_pid(name)
         try:
-            os.kill(int(name.split("_")[1]), 0)
-        except (IndexError, ValueError, ProcessLookupError):
+            if pid is None:
+                raise ProcessLookupError
+            os.kill(pid, 0)
+        except ProcessLookupError:
             out.add(name)
         except PermissionError:
             pass
