@@ -642,7 +642,8 @@ print("survived", outcomes, _C.sigbus_pages_lost())
 """
 
 
-@pytest.mark.parametrize("size", [0, 100, 8192])
+# Each size is a fresh interpreter (2-3 s): 100 (the header page half zeroed) is slow tier.
+@pytest.mark.parametrize("size", [0, pytest.param(100, marks=pytest.mark.slow), 8192])
 def test_a_named_segment_truncated_by_a_peer_raises_instead_of_sigbus(size):
     """size 0: every page is gone (the header's accesses fault: a zero page and an error);
     100: the header page stays but is zeroed past byte 100; 8192: the header and slot table

@@ -248,7 +248,9 @@ def test_stopping_with_arrays_in_flight_frees_them():
 
 
 def test_a_stuck_stage_is_terminated_after_the_grace_period(monkeypatch):
-    monkeypatch.setattr(pipeline_module, "SHUTDOWN_GRACE_S", 0.5)
+    # Where Pipeline reads it (patching the package's re-export changed nothing: 5 s waits).
+    monkeypatch.setattr(importlib.import_module("torch_mp_ext.pipeline.api"),
+                        "SHUTDOWN_GRACE_S", 0.5)
     p = mp.pipeline(w.count, w.sleep_forever)
     with deadline():
         with pytest.raises(StopIteration):
