@@ -60,7 +60,7 @@ def setUpModule() -> None:
 tearDownModule = _found["tearDownModule"]
 
 #: Under spawn every worker imports torch (seconds on 2 cores; the forkserver preloads it), so
-#: the suite runs only these under spawn by default; the rest with TMX_SLOW_TESTS=1
+#: the spawn run is split in two cases, these and the rest, both in the slow tier
 #: (TMX_CPYTHON_MP_SELECT: "all", "quick" or "rest").
 QUICK = ("TestSimpleQueue", "WithProcessesTestQueue.test_put",
          "WithProcessesTestQueue.test_closed_queue_put_get_exceptions",

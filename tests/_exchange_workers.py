@@ -59,10 +59,12 @@ def uniform_value(state: dict | torch.nn.Module) -> float | None:
 # ---- the channel -------------------------------------------------------------------------
 
 
-def read_once(ch, out, newer_than, timeout):
+def read_once(ch, out, newer_than, timeout, reading=None):
     """Reads one version (timed), reports (version, uniform value, seconds waited) or the
-    exception's class name."""
+    exception's class name. Sets the event ``reading``, if given, once the clock runs."""
     start = time.monotonic()
+    if reading is not None:
+        reading.set()
     try:
         version, state = ch.read(newer_than, timeout=timeout)
     except Exception as exc:  # noqa: BLE001  (reported to the test)

@@ -1,15 +1,41 @@
-"""Test fixtures: the leak check every test runs under, and start-method parametrisation.
+"""Test fixtures: the two tiers, the hang protection, the leak check every test runs under,
+and start-method parametrisation.
 
-Every test must leave nothing behind: no new torch_mp_ext (or torch) segment in /dev/shm, no
-new open fd, no child process (running or zombie). The check waits a few seconds for
-children that are exiting, then fails the test naming what leaked.
+Tiers. ``python -m pytest -q`` runs the fast tier: every test not marked ``slow``. With
+``--slow`` it runs the slow tier instead: the tests marked ``slow`` (spawn variants, the
+CPython suites, long kill-anywhere and fuzz runs, benchmark smoke tests, the full docs
+examples), and ``TMX_SLOW_TESTS=1`` is set for the modules that size their runs by it. Both
+commands together are the full suite. A test that is slow for a reason says so at its
+``pytest.mark.slow`` (or, for a parametrisation, at its ``pytest.param``).
+
+Nothing hangs. Three layers, each for what the one before cannot reach:
+
+1. pytest-timeout (``timeout`` in pyproject.toml; ``SLOW_TIMEOUT_S`` for slow tests) raises a
+   failure in the test from SIGALRM, with every thread's stack. SIGALRM, not SIGINT: a run
+   started as a background job of a script ignores SIGINT, and ``_thread.interrupt_main()``
+   then does nothing.
+2. ``BACKSTOP_GRACE_S`` later, if the test still runs (its main thread blocked in C code,
+   waiting on a child), a watchdog thread SIGKILLs every process below this one: whatever
+   the test waits on dies, the wait returns and the failure from (1) is raised.
+3. Another ``BACKSTOP_GRACE_S`` later, faulthandler's C-level watchdog, which needs no GIL,
+   dumps every thread's stack and exits the run with status 1.
+
+Leaks. Every test must leave nothing behind: no new torch_mp_ext (or torch) segment in
+/dev/shm, no new open fd, no child process (running or zombie). The check costs a few
+listings when nothing leaked; only when something looks leaked does it collect garbage
+(an object in a reference cycle may still hold a segment or an fd) and wait up to
+``LEAK_WAIT_S`` for children that are exiting. It then fails the test naming what leaked,
+and kills the leftover processes (and theirs) so the next test starts clean.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import multiprocessing
 import os
+import signal
+import threading
 import time
 
 import pytest
@@ -18,20 +44,32 @@ import torch_mp_ext
 
 SHM_PREFIXES = ("torch_", "tmx_")
 START_METHODS = ["fork", "spawn", "forkserver"]
-LEAK_WAIT_S = 15.0
+LEAK_WAIT_S = float(os.environ.get("TMX_TEST_LEAK_WAIT_S", "15"))  # for exiting children
+SLOW_TIMEOUT_S = 900.0  # a slow test's timeout (the fast tier's is `timeout` in pyproject.toml)
+# After a test's timeout: kill its processes; as much again: exit. The variable is for
+# tests/test_harness.py, which proves the layers in a run of its own.
+BACKSTOP_GRACE_S = float(os.environ.get("TMX_TEST_BACKSTOP_GRACE_S", "30"))
 
 
 def shm_entries() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIXES)}
 
 
+def creator_pid(name: str) -> int | None:
+    """The creator's pid in a torch_<pid>_... or tmx_<pid>_... name (torch_fz<pid>_...: the
+    fuzz worker's), or None."""
+    try:
+        return int(name.split("_")[1].removeprefix("fz"))
+    except (IndexError, ValueError):
+        return None
+
+
 def _creator_alive_elsewhere(name: str) -> bool:
-    """True for torch_<pid>_... names of a live process other than this one: another
+    """True for names of a live process other than this one (``creator_pid``): another
     program's segments (a concurrent test run), not this test's leak. A leaking child of
     this test is caught as a leftover process; a dead one's segments still count."""
-    try:  # torch_<pid>_..., tmx_<pid>_..., and tests/_fuzz_worker.py's torch_fz<pid>_...
-        pid = int(name.split("_")[1].removeprefix("fz"))
-    except (IndexError, ValueError):
+    pid = creator_pid(name)
+    if pid is None:
         return False
     if pid == os.getpid():
         return False
@@ -123,25 +161,74 @@ def _session_baseline():
     yield
 
 
+def _leaks(shm_before: set[str], fds_before: set[str]):
+    """What the running test has left so far: (new shm names, new fds, child pids)."""
+    multiprocessing.active_children()  # joins finished children of this test
+    torch_mp_ext.empty_cache()
+    new_shm = {n for n in shm_entries() - shm_before if not _creator_alive_elsewhere(n)}
+    return new_shm, open_fds() - fds_before, child_pids()
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below ``root`` (children, their children, ...), from /proc."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        parent_of[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent_of.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def kill_tree(pids: set[int]) -> None:
+    """SIGKILLs ``pids`` and everything below them, then reaps those that are our children."""
+    victims = set(pids)
+    for pid in pids:
+        victims |= descendants(pid)
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    multiprocessing.active_children()  # lets multiprocessing reap the ones it started
+    for pid in victims:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:  # reaped above, or not our child (its parent reaps it)
+            pass
+
+
 @pytest.fixture(autouse=True)
 def leak_check(request):
-    """Fails a test that leaves segments, fds or processes behind."""
+    """Fails a test that leaves segments, fds or processes behind (and kills the processes)."""
     if request.node.get_closest_marker("no_leak_check"):
         yield
         return
     shm_before, fds_before = shm_entries(), open_fds()
     yield
+    new_shm, new_fds, kids = _leaks(shm_before, fds_before)
     deadline = time.monotonic() + LEAK_WAIT_S
-    while True:
-        multiprocessing.active_children()  # joins finished children of this test
-        gc.collect()
-        torch_mp_ext.empty_cache()
-        new_shm = {n for n in shm_entries() - shm_before if not _creator_alive_elsewhere(n)}
-        new_fds = open_fds() - fds_before
-        kids = child_pids()
-        if not (new_shm or new_fds or kids) or time.monotonic() > deadline:
+    generation = 1  # the test's own garbage is young: collecting it takes a millisecond
+    while new_shm or new_fds or kids:
+        # Something looks leaked. Garbage in a reference cycle may still hold it (a segment,
+        # an fd), or a child may be exiting: collect, and look again until the deadline. A
+        # full collection (~50-100 ms with torch's heap) only if the young one was not enough.
+        gc.collect(generation)
+        generation = 2
+        new_shm, new_fds, kids = _leaks(shm_before, fds_before)
+        if time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    if kids:
+        kill_tree(kids)
     assert not kids, f"test left child processes behind: {sorted(kids)}"
     assert not new_shm, f"test left shared memory behind in /dev/shm: {sorted(new_shm)}"
     assert not new_fds, f"test left fds open: {_describe_fds(new_fds)}"
@@ -157,5 +244,127 @@ def ctx(start_method):
     return torch_mp_ext.get_context(start_method)
 
 
+# ---- tiers ---------------------------------------------------------------------------------
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="run the slow tier (tests marked slow) instead of the fast tier")
+
+
 def pytest_configure(config):
+    global _stderr_fd
     config.addinivalue_line("markers", "no_leak_check: the test checks leaks itself")
+    config.addinivalue_line("markers", "every_tier: runs in the fast and the slow tier")
+    _stderr_fd = os.dup(2)  # output capture is suspended here: fd 2 is the terminal's
+    if config.getoption("--slow"):
+        # Before collection: modules read it at import to size their runs (long versions).
+        os.environ["TMX_SLOW_TESTS"] = "1"
+
+
+#: Parameters that choose a start method. A parametrised test's "spawn" variant is in the
+#: slow tier: spawn workers import torch afresh (2-4 s each on 2 CPUs), and the test's fork
+#: and forkserver variants cover the same code in the fast tier. Tests that only make sense
+#: under spawn are not parametrised and stay where their own mark puts them.
+START_METHOD_PARAMS = ("start_method", "method")
+
+
+def is_spawn_variant(item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(params.get(name) == "spawn" for name in START_METHOD_PARAMS)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keeps the chosen tier's tests (deselecting the other's) and gives slow tests their
+    longer timeout."""
+    slow_tier = config.getoption("--slow")
+    cli_timeout = config.getoption("timeout", None)
+    keep, drop = [], []
+    for item in items:
+        if is_spawn_variant(item) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+        slow = item.get_closest_marker("slow") is not None
+        every = item.get_closest_marker("every_tier") is not None
+        (keep if every or slow == slow_tier else drop).append(item)
+        # A --timeout on the command line is for every test (0: none, for a long fuzz run).
+        if slow and item.get_closest_marker("timeout") is None and cli_timeout is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+# ---- hang protection (layers 2 and 3; layer 1 is pytest-timeout) ----------------------------
+
+
+def _timeout_of(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    if marker is not None and "timeout" in marker.kwargs:
+        return float(marker.kwargs["timeout"])
+    option = item.config.getoption("timeout", None)  # --timeout on the command line
+    if option is None:
+        option = item.config.getini("timeout")
+    return float(option or 0)
+
+
+class _Backstop:
+    """One daemon thread that SIGKILLs every process below this one when the armed test
+    outlives its deadline (layer 2 of the module docstring)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: tuple[str, float] | None = None  # (test id, monotonic deadline)
+        threading.Thread(target=self._run, name="tmx-test-backstop", daemon=True).start()
+
+    def arm(self, nodeid: str, seconds: float) -> None:
+        with self._cond:
+            self._armed = (nodeid, time.monotonic() + seconds)
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._armed = None
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._armed is None or time.monotonic() < self._armed[1]:
+                    wait = None if self._armed is None else self._armed[1] - time.monotonic()
+                    self._cond.wait(wait)
+                nodeid, self._armed = self._armed[0], None
+            victims = descendants(os.getpid())
+            os.write(_stderr_fd, f"\n{nodeid}: still running {BACKSTOP_GRACE_S:.0f} s past its "
+                                 f"timeout; SIGKILL to every process below the run: "
+                                 f"{sorted(victims)}\n".encode())
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+_backstop: _Backstop | None = None
+_stderr_fd = 2  # a copy of the run's real stderr, made before output capture (pytest_configure)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _backstop
+    timeout = _timeout_of(item)
+    if timeout <= 0:
+        yield
+        return
+    if _backstop is None:
+        _backstop = _Backstop()
+    _backstop.arm(item.nodeid, timeout + BACKSTOP_GRACE_S)
+    # Layer 3: C-level, needs no GIL; dumps every thread's stack and ends the run.
+    faulthandler.dump_traceback_later(timeout + 2 * BACKSTOP_GRACE_S, exit=True,
+                                      file=_stderr_fd)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        _backstop.disarm()

@@ -108,26 +108,30 @@ def test_a_read_before_the_first_publish_waits_and_times_out():
     start = time.monotonic()
     with pytest.raises(TimeoutError):
         ch.read(timeout=0.2)
-    assert 0.2 <= time.monotonic() - start < 2.0
+    # The upper bound only tells a timed-out read from one that hangs: on a loaded machine
+    # the wake-up after the timeout may come seconds late.
+    assert 0.2 <= time.monotonic() - start < 10.0
     ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    p = ctx.Process(target=w.read_once, args=(ch, out, -1, 30))
+    out, reading = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=w.read_once, args=(ch, out, -1, 30, reading))
     p.start()
+    assert reading.wait(30)  # the reader's clock runs: whenever it got the CPU to start
     time.sleep(0.3)
     ch.publish(filled(small_template(), 5))
     version, value, waited = out.get(timeout=30)
     p.join(30)
-    assert (version, value) == (0, 5) and waited >= 0.25
+    assert (version, value) == (0, 5) and waited >= 0.3
 
 
 def test_close_wakes_waiting_readers_and_refuses_publishes():
     ch = mp.StateDictChannel(small_template())
     ch.publish(filled(small_template(), 1))
     ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    p = ctx.Process(target=w.read_once, args=(ch, out, 0, 30))
+    out, reading = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=w.read_once, args=(ch, out, 0, 30, reading))
     p.start()
-    time.sleep(0.3)
+    assert reading.wait(30)
+    time.sleep(0.3)  # most likely waiting by now; a read that starts after close raises too
     ch.close()
     name, waited = out.get(timeout=30)
     p.join(30)
@@ -247,6 +251,9 @@ def _scenario(name: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# Slow tier: 6-11 s to copy 192 MB states until a kill lands mid-copy; the fast tier's short
+# kill-anywhere run (test_crash_consistency.py) SIGKILLs channel writers too.
+@pytest.mark.slow
 def test_a_writer_sigkilled_mid_publish_leaves_the_last_version_readable():
     r = _scenario("writer_killed")
     assert r["writer_pid_left"]  # it died inside the publish, holding the writer word

@@ -2,7 +2,10 @@
 breaks. Real processes, real SIGKILLs; after each kill a fresh queue / pool in this process
 must deliver exactly what was sent.
 
-``TMX_KILL_LONG=1`` runs the long versions (more rounds, every start method and strategy)."""
+The kill-anywhere harness runs twice per strategy: a short run with a fixed seed in the fast
+tier (the same kills every run: a failure is a regression), and a longer one with a random
+seed in the slow tier (``--slow``). ``TMX_KILL_LONG=1`` makes that one the long,
+nightly-style run (more rounds)."""
 
 from __future__ import annotations
 
@@ -342,22 +345,27 @@ def test_cleanup_sweeps_a_run_whose_last_process_was_killed():
 
 # ---- the kill-anywhere harness (tests/_kill_anywhere.py) ------------------------------------
 
-HARNESS_ROUNDS = {"file_descriptor": 2000 if LONG else 60, "file_system": 500 if LONG else 30}
+HARNESS_ROUNDS = {"file_descriptor": 2000 if LONG else 200, "file_system": 500 if LONG else 100}
+SHORT_ROUNDS = {"file_descriptor": 30, "file_system": 15}
+SHORT_SEED = 20240527  # the fast tier's run: the same kills every time
 
 
 @pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
-def test_kill_anywhere(strategy_name):
+@pytest.mark.parametrize("run", ["short", pytest.param("long", marks=pytest.mark.slow)])
+def test_kill_anywhere(strategy_name, run):
     """Random SIGKILLs and deterministic crash points across queues (producers, consumers,
     wait() readiness, tensors and arrays in the items), pipelines, TaskPool workers and a
     channel writer; after each kill a fresh queue delivers exact data and the audit is clean;
     once the harness has exited, /dev/shm holds nothing of it (file_system: names of messages
     lost in flight too, Note [Session names])."""
-    seed = random.randrange(1 << 30)
+    if run == "short":
+        seed, rounds = SHORT_SEED, SHORT_ROUNDS[strategy_name]
+    else:
+        seed, rounds = random.randrange(1 << 30), HARNESS_ROUNDS[strategy_name]
     tests_dir = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")]))
     env.pop("TORCH_MP_EXT_SESSION", None)  # a run of its own (Note [Session names])
-    rounds = HARNESS_ROUNDS[strategy_name]
     done = subprocess.run([sys.executable, str(tests_dir / "_kill_anywhere.py"), str(rounds),
                            str(seed), strategy_name], env=env, capture_output=True, text=True,
                           timeout=120 + rounds)

@@ -126,6 +126,8 @@ def test_break_with_large_batches_prefetched_shuts_down_promptly(method):
     gc.collect()
     elapsed = time.monotonic() - t0
     assert all(not w.is_alive() for w in workers)
-    # Workers blocked on a full queue took ~10 s here before (stock: 0.25-1.6 s); the ratio
-    # to stock is measured in benchmarks/bench_dataloader.py, this bounds a regression.
-    assert elapsed < 5.0, f"shutdown took {elapsed:.1f} s"
+    # Workers blocked on a full queue took ~10 s here before (stock: 0.25-1.6 s): each
+    # reached the loader's 5 s join timeout. Under load one worker may still reach it (5.0 s
+    # seen with 4 jobs on 2 CPUs), so the bound is below both reaching it. The ratio to stock
+    # is measured in benchmarks/bench_dataloader.py, this bounds a regression.
+    assert elapsed < 9.0, f"shutdown took {elapsed:.1f} s"

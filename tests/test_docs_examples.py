@@ -16,6 +16,9 @@ A comment right before the fence (blank lines allowed) changes that:
 - ``<!-- continues: previous -->``: the block continues the previous Python block of the
   same file, which runs first (with its own markers; chains are followed).
 - ``<!-- timeout: 60 -->``: seconds, for a block that needs more than the default.
+- ``<!-- slow: reason -->``: the block runs in the slow tier only (``--slow``; see
+  tests/conftest.py): one that starts spawn workers or a forkserver, or runs for seconds.
+  The fast tier runs the rest, a few blocks per page.
 
 A block with ``setup`` or ``continues`` is assembled as a script the way one writes it for
 spawn and forkserver: its imports, functions, classes and constants (``block_size = 1000``)
@@ -45,7 +48,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_pids
+from conftest import child_pids, creator_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -88,7 +91,7 @@ SETUPS = {
 
 _FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _MARKER = re.compile(
-    r"^<!--\s*(?P<kind>no-run|setup|continues|timeout)\s*:\s*(?P<value>.*?)\s*-->$")
+    r"^<!--\s*(?P<kind>no-run|setup|continues|timeout|slow)\s*:\s*(?P<value>.*?)\s*-->$")
 
 
 @dataclasses.dataclass
@@ -219,9 +222,12 @@ def _shm_of_dead_processes() -> set[str]:
     for name in os.listdir("/dev/shm"):
         if not name.startswith(("torch_", "tmx_")):
             continue
+        pid = creator_pid(name)
         try:
-            os.kill(int(name.split("_")[1]), 0)
-        except (IndexError, ValueError, ProcessLookupError):
+            if pid is None:
+                raise ProcessLookupError
+            os.kill(pid, 0)
+        except ProcessLookupError:
             out.add(name)
         except PermissionError:
             pass
@@ -254,8 +260,9 @@ def test_every_doc_file_is_collected():
     assert len(DOC_FILES) >= 10
     assert len(BLOCKS) >= 20
     for b in BLOCKS:
-        if "no-run" in b.markers:
-            assert b.markers["no-run"], f"{b.id}: a no-run marker needs its reason"
+        for reasoned in ("no-run", "slow"):
+            if reasoned in b.markers:
+                assert b.markers[reasoned], f"{b.id}: a {reasoned} marker needs its reason"
         if "setup" in b.markers and b.markers["setup"] not in SETUPS:
             compile(b.markers["setup"], b.id, "exec")
 
@@ -292,7 +299,9 @@ def test_continued_blocks_keep_functions_at_module_level(tmp_path):
 
 
 @pytest.mark.no_leak_check  # other blocks' processes are running meanwhile: see `runs`
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+@pytest.mark.parametrize("block", [
+    pytest.param(b, id=b.id, marks=[pytest.mark.slow] if "slow" in b.markers else [])
+    for b in BLOCKS])
 def test_doc_example_runs(block: Block, runs: Runs):
     if "no-run" in block.markers:
         pytest.skip(f"marked no-run: {block.markers['no-run']}")
@@ -300,6 +309,7 @@ def test_doc_example_runs(block: Block, runs: Runs):
     assert status == "ok", f"{block.id}: {details}"
 
 
+@pytest.mark.every_tier  # checks after the tier's blocks, whichever tier runs
 def test_examples_left_nothing_behind(runs: Runs):
     """After every block ended: no segment of a dead process in /dev/shm, no child left."""
     concurrent.futures.wait(runs.futures.values())

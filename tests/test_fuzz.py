@@ -5,9 +5,11 @@ bytes as a handle. Hypothesis generates such inputs; a child process (tests/_fuz
 applies them and calls the public API. It must answer every case with a Python exception or a
 result, never die by a signal (SIGSEGV, SIGBUS, SIGFPE, abort) and never hang.
 
-``TMX_FUZZ_EXAMPLES`` sets the examples per test (default 500: 2,500 in all, well
-under a minute); ``TMX_FUZZ_EXAMPLES=40000`` (200,000 in all) is the long, nightly-style
-run.
+Each kind of case is fuzzed twice. The fast tier runs ``FAST_EXAMPLES`` examples per test,
+derandomized: the same examples every run, so a failure there is a regression, never a
+new random find. The slow tier (``--slow``) runs ``TMX_FUZZ_EXAMPLES`` random examples per
+test (default 2,000: 10,000 in all); ``TMX_FUZZ_EXAMPLES=40000`` (200,000 in all) is the
+long, nightly-style run.
 
 Note [What the fuzzer leaves alone]
 Every byte of a ring is fair game, its robust pthread mutex included (Note [Mutex bytes from
@@ -38,7 +40,8 @@ from hypothesis import strategies as st
 
 from torch_mp_ext import _C
 
-EXAMPLES = int(os.environ.get("TMX_FUZZ_EXAMPLES", "500"))
+FAST_EXAMPLES = 60
+EXAMPLES = int(os.environ.get("TMX_FUZZ_EXAMPLES", "2000"))
 CASE_TIMEOUT_S = 30.0  # a case may wait out garbage owners (Note [A lock nobody holds])
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,10 +50,12 @@ RING_FIELDS = {name: (offset, size) for name, offset, size in _C.Ring.layout()}
 SLOTS_AT, SLOT_BYTES = SEG_FIELDS["slots"]
 SLOT_FIELDS = [(0, 8), (8, 4), (12, 4), (16, 8), (24, 8)]  # refcount next generation holder tag
 
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture],
-                database=None)
+_SETTINGS: dict[str, Any] = dict(
+    deadline=None, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.function_scoped_fixture])
+SHORT_RUN = settings(max_examples=FAST_EXAMPLES, derandomize=True, **_SETTINGS)
+LONG_RUN = settings(max_examples=EXAMPLES, derandomize=False, **_SETTINGS)
 
 
 class Worker:
@@ -101,14 +106,16 @@ class Worker:
             self.stop()
             pytest.fail(f"the fuzz worker (pid {pid}) hung for {CASE_TIMEOUT_S} s on {case!r}")
         except EOFError:
-            code = self.proc.wait(timeout=30)
+            pid, code = self.proc.pid, self.proc.wait(timeout=30)
             self.proc = None
-            self._clean(None)
+            self._clean(pid)
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             pytest.fail(f"the fuzz worker died ({how}) on {case!r}")
 
-    def _clean(self, pid: int | None) -> None:
-        prefix = "torch_fz" if pid is None else f"torch_fz{pid}_"
+    def _clean(self, pid: int) -> None:
+        """Unlinks the names the worker ``pid`` left (never another run's: a concurrent
+        suite's fuzz workers use the same prefix with their own pids)."""
+        prefix = f"torch_fz{pid}_"
         for entry in os.listdir("/dev/shm"):
             if entry.startswith(prefix):
                 try:
@@ -261,28 +268,21 @@ CALL_CASES = st.fixed_dictionaries({
 # ---- the tests ----------------------------------------------------------------------------
 
 
-@FUZZ
-@given(case=SEGMENT_CASES)
-def test_fuzz_received_segments(worker: Worker, case: dict) -> None:
-    check(worker, case)
+def short_and_long(cases: st.SearchStrategy) -> tuple[Any, Any]:
+    """The fast tier's short derandomized run of ``cases`` and the slow tier's long one."""
+
+    def run(worker: Worker, case: dict) -> None:
+        check(worker, case)
+
+    return (SHORT_RUN(given(case=cases)(run)),
+            pytest.mark.slow(LONG_RUN(given(case=cases)(run))))
 
 
-@FUZZ
-@given(case=HANDLE_CASES)
-def test_fuzz_forged_handles(worker: Worker, case: dict) -> None:
-    check(worker, case)
-
-
-@FUZZ
-@given(case=OWNED_CASES)
-def test_fuzz_owned_segments(worker: Worker, case: dict) -> None:
-    check(worker, case)
-
-
-@FUZZ
-@given(case=RING_CASES)
-def test_fuzz_rings(worker: Worker, case: dict) -> None:
-    check(worker, case)
+test_fuzz_received_segments, test_fuzz_received_segments_long = short_and_long(SEGMENT_CASES)
+test_fuzz_forged_handles, test_fuzz_forged_handles_long = short_and_long(HANDLE_CASES)
+test_fuzz_owned_segments, test_fuzz_owned_segments_long = short_and_long(OWNED_CASES)
+test_fuzz_rings, test_fuzz_rings_long = short_and_long(RING_CASES)
+test_fuzz_public_arguments, test_fuzz_public_arguments_long = short_and_long(CALL_CASES)
 
 
 def test_harness_reports_a_crash_and_a_hang(worker: Worker, monkeypatch: Any) -> None:
@@ -294,9 +294,3 @@ def test_harness_reports_a_crash_and_a_hang(worker: Worker, monkeypatch: Any) ->
         worker.run({"kind": "hang"})
     assert worker.run({"kind": "handle", "writes": [], "api": "release",
                        "handle": {4: 5}})[0] in ("ok", "raised")
-
-
-@FUZZ
-@given(case=CALL_CASES)
-def test_fuzz_public_arguments(worker: Worker, case: dict) -> None:
-    check(worker, case)

@@ -488,6 +488,8 @@ def test_a_stopped_peer_holding_the_lock_does_not_freeze_the_interpreter():
         def interrupt(signum, frame):
             raise KeyboardInterrupt  # what Ctrl-C does
 
+        # The suite's timeout (pytest-timeout) runs on this same timer: take it back after.
+        armed, armed_at = signal.getitimer(signal.ITIMER_REAL)[0], time.monotonic()
         old = signal.signal(signal.SIGALRM, interrupt)
         try:
             for read in (q.qsize, lambda: q._ring.holders, q._ring.holder_table):
@@ -499,6 +501,9 @@ def test_a_stopped_peer_holding_the_lock_does_not_freeze_the_interpreter():
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
+            if armed:
+                left = armed - (time.monotonic() - armed_at)
+                signal.setitimer(signal.ITIMER_REAL, max(left, 0.001))
             stop.set()
             ticker.join(10)
     finally:
@@ -551,10 +556,18 @@ print("raised")
 """
 
 
+# Each case is a fresh interpreter (2-3 s on 2 CPUs): the fast tier takes one garbage type
+# word and each kind of owner; the slow tier the other type words and the waiters bit.
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(("word", "value"), [
-    (4, 0), (4, 1), (4, 32 | 128), (4, 0xFFFFFFFF),  # type: normal, recursive, PI, garbage
+    pytest.param(4, 0, marks=_SLOW),  # type: normal
+    pytest.param(4, 1, marks=_SLOW),  # ... recursive
+    pytest.param(4, 32 | 128, marks=_SLOW),  # ... PI
+    (4, 0xFFFFFFFF),  # ... garbage
     (0, 0x3FFFFFF0),  # an owner thread that cannot exist
-    (0, 0x80000000 | 0x3FFFFFF0),  # ... with the waiters bit
+    pytest.param(0, 0x80000000 | 0x3FFFFFF0, marks=_SLOW),  # ... with the waiters bit
     (0, -1),  # this very thread (filled in below)
     (0, 1),  # a live process (init) that holds no queue
 ])
@@ -629,7 +642,8 @@ print("survived", outcomes, _C.sigbus_pages_lost())
 """
 
 
-@pytest.mark.parametrize("size", [0, 100, 8192])
+# Each size is a fresh interpreter (2-3 s): 100 (the header page half zeroed) is slow tier.
+@pytest.mark.parametrize("size", [0, pytest.param(100, marks=pytest.mark.slow), 8192])
 def test_a_named_segment_truncated_by_a_peer_raises_instead_of_sigbus(size):
     """size 0: every page is gone (the header's accesses fault: a zero page and an error);
     100: the header page stays but is zeroed past byte 100; 8192: the header and slot table

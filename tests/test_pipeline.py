@@ -2,7 +2,8 @@
 
 Every test runs real processes under the leak check of conftest.py (no process, fd or segment
 left). Iterating a pipeline has no timeout of its own, so each iteration here runs under
-``deadline``, which interrupts the main thread (as Ctrl-C would) when it passes.
+``deadline``, which interrupts the main thread (as Ctrl-C would) when it passes, and every
+loop over the endless ``forever`` source has a bound of its own (``BOUND`` items).
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ from torch_mp_ext.errors import PipelineError, RemoteTraceback
 
 pipeline_module = importlib.import_module("torch_mp_ext.pipeline")  # mp.pipeline: the function
 T = 60  # seconds any one test may iterate before it is interrupted
+BOUND = 100_000  # items any loop over an endless source may take before the test fails
 
 
 @contextlib.contextmanager
 def deadline(seconds: float = T):
-    """Interrupts the main thread (KeyboardInterrupt) if the block outlives ``seconds``."""
+    """Interrupts the main thread (KeyboardInterrupt) if the block outlives ``seconds``.
+
+    SIGINT gets Python's handler for the block: a run started as a script's background job
+    inherits SIGINT ignored, and ``_thread.interrupt_main()`` then does nothing.
+    """
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     done = threading.Event()
 
     def watch():
@@ -45,6 +52,15 @@ def deadline(seconds: float = T):
     finally:
         done.set()
         watcher.join()
+        signal.signal(signal.SIGINT, handler)
+
+
+def bounded(iterable):
+    """``iterable``, ended with a failure after ``BOUND`` items (an endless source must be
+    stopped by what the test does, never by the test's timeout)."""
+    for i, item in enumerate(iterable):
+        assert i < BOUND, f"no end after {BOUND} items"
+        yield item
 
 
 def gone(pids, timeout: float = 10.0) -> bool:
@@ -173,7 +189,7 @@ def test_a_stage_killed_from_outside_while_blocked():
         victim = p.pids[1]
         os.kill(victim, signal.SIGTERM)
         with pytest.raises(PipelineError, match=f"pid {victim}.*SIGTERM"):
-            for _ in p:
+            for _ in bounded(p):
                 pass
     assert gone(p.pids)
 
@@ -192,7 +208,7 @@ def test_stopping_early_leaves_nothing_behind(how):
     pids: tuple = ()
     with deadline():
         if how == "break":
-            for x in p:
+            for x in bounded(p):
                 if x > 10:
                     break
             pids = p.pids
@@ -214,7 +230,7 @@ def test_stopping_early_leaves_nothing_behind(how):
         else:
             threading.Timer(0.5, _thread.interrupt_main).start()
             with pytest.raises(KeyboardInterrupt):
-                for _ in p:
+                for _ in bounded(p):
                     pids = p.pids
             assert list(p) == []
     assert len(pids) == 4 and gone(pids, timeout=1.0)
@@ -232,7 +248,9 @@ def test_stopping_with_arrays_in_flight_frees_them():
 
 
 def test_a_stuck_stage_is_terminated_after_the_grace_period(monkeypatch):
-    monkeypatch.setattr(pipeline_module, "SHUTDOWN_GRACE_S", 0.5)
+    # Where Pipeline reads it (patching the package's re-export changed nothing: 5 s waits).
+    monkeypatch.setattr(importlib.import_module("torch_mp_ext.pipeline.api"),
+                        "SHUTDOWN_GRACE_S", 0.5)
     p = mp.pipeline(w.count, w.sleep_forever)
     with deadline():
         with pytest.raises(StopIteration):
@@ -375,17 +393,19 @@ def test_shared_memory_stays_bounded_on_a_long_stream():
 
 
 CTRL_C_SCRIPT = """
-import sys, time
+import signal, sys, time
 sys.path[:0] = {paths!r}
 import _pipeline_workers as w
 import torch_mp_ext as mp
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, if inherited ignored
 p = mp.pipeline(w.forever, w.square, w.plus_one, workers=2)
 next(p)
 print(" ".join(map(str, p.pids)), flush=True)
 try:
-    for _ in p:
+    for _, _ in zip(range(6000), p):  # a bound: 60 s
         time.sleep(0.01)
+    print("not interrupted", flush=True)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
 """
@@ -412,7 +432,7 @@ def test_ctrl_c_in_a_terminal_stops_every_process():
         if proc.poll() is None:
             proc.kill()
             proc.wait(T)
-    assert "interrupted" in out and proc.returncode == 0
+    assert out.strip() == "interrupted" and proc.returncode == 0
     assert gone(pids)
 
 

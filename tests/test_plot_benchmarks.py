@@ -42,6 +42,7 @@ def plot(files: list, out: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # a benchmark smoke run, then matplotlib (5-12 s)
 def test_quick_benchmark_run_writes_json_that_plots(tmp_path):
     out = tmp_path / "queue.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_queue.py"), "--rounds", "1",
@@ -65,6 +66,7 @@ def test_quick_benchmark_run_writes_json_that_plots(tmp_path):
     assert _is_png(tmp_path / "img" / "queue.png")
 
 
+@pytest.mark.slow  # draws every plot with matplotlib (3-6 s); only tools/ depends on it
 def test_every_plot_from_real_results(tmp_path):
     benchmarks = {json.loads(f.read_text())["benchmark"] for f in FIXTURES}
     assert benchmarks == {"bench_tensor_transfer", "bench_queue", "bench_spawn",

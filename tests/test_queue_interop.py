@@ -53,10 +53,15 @@ def test_pool_terminate_reclaims_the_queues_its_killed_workers_held():
     assert p.apply_async(workers.square, (7,)).get(timeout=60) == 49
     # Both workers have opened their queues (a worker killed before it unpickles them keeps
     # its holder in flight for ever: only the segment owner's exit reclaims that).
+    # A worker opens its inqueue before its outqueue: wait for both (on a loaded machine the
+    # second one can come well after the first).
+    def holders(pool):
+        return [len(q._ring.holder_table()) for q in (pool._inqueue, pool._outqueue)]
+
     deadline = time.monotonic() + 60
-    while len(p._inqueue._ring.holder_table()) < 3 and time.monotonic() < deadline:
+    while min(holders(p)) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(p._outqueue._ring.holder_table()) == 3
+    assert holders(p) == [3, 3]
     p.terminate()
     p.join()
     del p
