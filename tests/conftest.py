@@ -3,10 +3,10 @@ and start-method parametrisation.
 
 Tiers. ``python -m pytest -q`` runs the fast tier: every test not marked ``slow``. With
 ``--slow`` it runs the slow tier instead: the tests marked ``slow`` (spawn variants, the
-CPython suites, long kill-anywhere and fuzz runs, benchmark smoke tests, the full docs
-examples), and ``TMX_SLOW_TESTS=1`` is set for the modules that size their runs by it. Both
-commands together are the full suite. A test that is slow for a reason says so at its
-``pytest.mark.slow`` (or, for a parametrisation, at its ``pytest.param``).
+CPython suites, long kill-anywhere and fuzz runs, benchmark smoke tests, the rest of the docs
+examples). Both commands together are the full suite; a test marked ``every_tier`` runs in
+both. A test that is slow for a reason says so at its ``pytest.mark.slow`` (or, for a
+parametrisation, at its ``pytest.param``); one rule lives here: ``is_spawn_variant``.
 
 Nothing hangs. Three layers, each for what the one before cannot reach:
 
@@ -257,9 +257,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "no_leak_check: the test checks leaks itself")
     config.addinivalue_line("markers", "every_tier: runs in the fast and the slow tier")
     _stderr_fd = os.dup(2)  # output capture is suspended here: fd 2 is the terminal's
-    if config.getoption("--slow"):
-        # Before collection: modules read it at import to size their runs (long versions).
-        os.environ["TMX_SLOW_TESTS"] = "1"
 
 
 #: Parameters that choose a start method. A parametrised test's "spawn" variant is in the
