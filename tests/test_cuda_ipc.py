@@ -116,11 +116,15 @@ def test_a_block_received_twice_is_one_storage_and_one_slot(fake, ctx):
 
 
 def test_a_round_trip_in_one_process_is_the_same_storage(fake):
+    released = _cuda_ipc.stats()["released_blocks"]
     storage = torch.UntypedStorage(64)
     payload = _cuda_ipc.send(storage)
     back = _cuda_ipc.receive(*payload)
     assert back._cdata == storage._cdata and fake.opened == 0 and fake.events_waited == 0
-    assert _slot_state(payload)[0] == 0 and _cuda_ipc.collect() == 1
+    assert _slot_state(payload)[0] == 0
+    _cuda_ipc.collect()  # counted here, or already by the collector thread of an earlier
+    # test still waiting out its short interval (seen once under load)
+    assert _cuda_ipc.stats()["released_blocks"] == released + 1
 
 
 def test_a_forwarded_block_lives_until_the_third_process_drops_it(fake, ctx):
