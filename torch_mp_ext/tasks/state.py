@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing.connection
-import queue
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import PoolClosedError, WorkerDiedError
 from ..processes import exits as _exits
@@ -121,6 +119,7 @@ class TaskState:
     _idle: deque[int]
     _ready: deque[Task]
     _oom_before: dict[str, int]
+    _wake: Callable[[], None]  # Pump's (tasks/pump.py)
 
     def _start_worker(self) -> None:
         raise NotImplementedError
@@ -152,20 +151,6 @@ class TaskState:
         if not self._broken and (self._tasks or not self._closing):
             self._start_worker()
 
-    def _check_workers(self) -> None:
-        sentinels = {w.process.sentinel: w for w in self._workers.values()}
-        dead = multiprocessing.connection.wait(list(sentinels), 0)
-        if not dead:
-            return
-        while True:  # Note [Task protocol]: everything they sent before dying comes first
-            try:
-                msgs = self._results.get_many(256, block=False)
-            except queue.Empty:
-                break
-            self._handle(msgs)
-        for sentinel in dead:
-            self._on_death(sentinels[sentinel])
-
     def _handle(self, msgs: list) -> None:
         for msg in msgs:
             try:
@@ -175,7 +160,12 @@ class TaskState:
 
     def _on_message(self, msg: tuple) -> None:
         tag, wid = msg[0], msg[1]
-        if tag == W.READY:
+        if tag in (W.READY, W.WAKE):
+            return
+        if tag == W.DIED:  # after everything it sent (Note [Who reads the result queue])
+            worker = self._workers.get(wid)
+            if worker is not None:
+                self._on_death(worker)
             return
         if tag == W.INIT_FAILED:
             text = "".join(str(Value.from_wire(msg[2]).load()).splitlines()[-1:])
@@ -257,6 +247,7 @@ class TaskState:
             task.deps -= 1
             if task.deps == 0 and not task.ended:
                 task.pool._make_ready(task)
+                task.pool._dispatch()  # its pool may be another one, its collector asleep
 
     def _cancel(self, task: Task) -> None:
         """A streaming task's consumer cancelled it (Note [Task protocol])."""
@@ -271,6 +262,7 @@ class TaskState:
         task.ended = True
         self._tasks.pop(task.tid, None)
         task.payload = task.call = None
+        self._wake()  # ended by a thread not reading results: wake the one that does
         if task.stream is not None:
             task.stream.finish(error, cancelled)
             return

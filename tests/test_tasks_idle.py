@@ -1,0 +1,54 @@
+"""A TaskPool nobody is waiting on, and a caller blocked on a slow task, cost no CPU: the
+pool's threads and the caller sleep on the result queue's ring and the workers' sentinels
+(Note [Who reads the result queue] in ``tasks/pool.py``), never in timed polls."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import _task_workers as tw
+import pytest
+
+import torch_mp_ext as mp
+
+T = 30.0  # seconds: the most any single wait in these tests may take
+
+
+def _cpu_s():
+    t = os.times()
+    return t.user + t.system
+
+
+def _switches():
+    """Context switches so far of the main thread and the pool's threads: each is a wake-up
+    (the pytest harness's own threads are left out: they are not under test)."""
+    total = 0
+    ids = [threading.main_thread().native_id] + [
+        th.native_id for th in threading.enumerate() if th.name.startswith("TaskPool")]
+    for tid in ids:
+        with open(f"/proc/self/task/{tid}/status") as f:
+            for line in f:
+                if "ctxt_switches" in line:  # voluntary and nonvoluntary
+                    total += int(line.split()[-1])
+    return total
+
+
+@pytest.mark.slow  # 5 s of waiting on purpose: measuring what idling costs takes idling
+def test_an_idle_pool_and_a_blocked_caller_cost_no_cpu():
+    with mp.TaskPool(2, start_method="fork") as pool:
+        assert pool.submit(tw.add, 1, 2).get(timeout=T) == 3  # the workers are up
+        s0, c0 = _switches(), _cpu_s()
+        time.sleep(2.0)
+        idle = _switches() - s0, _cpu_s() - c0
+        ref = pool.submit(tw.sleep_then, 3.0, "done")
+        s0, c0 = _switches(), _cpu_s()
+        assert ref.get(timeout=T) == "done"
+        blocked = _switches() - s0, _cpu_s() - c0
+    # Polling every 20 ms woke the pool ~100 times in 2 s, and 150-600 times while the caller
+    # waited 3 s; without it a few wake-ups remain (the submit, the result, the harness's
+    # signals). The bounds leave room for a loaded machine's scheduling, not for a poll.
+    assert idle[0] < 20, f"an idle pool woke {idle[0]} times in 2 s"
+    assert blocked[0] < 40, f"a caller blocked on a 3 s task woke {blocked[0]} times"
+    assert idle[1] < 0.05 and blocked[1] < 0.05, (idle, blocked)
