@@ -132,6 +132,7 @@ class TaskPool(TaskState, Pump):
         self._wids = itertools.count()
         self._oom_before = _exits.oom_kill_counts()
         self._stopped = False
+        self._owed_workers = 0  # replacements of dead workers not started yet
         self._init_pump()
         try:
             for _ in range(count):
@@ -291,6 +292,12 @@ class TaskPool(TaskState, Pump):
 
     # -- workers ---------------------------------------------------------------------------
     def _start_worker(self) -> None:
+        """Starts a worker while the pool is created (not shared yet: STATE not needed)."""
+        self._add_worker(self._launch())
+
+    def _launch(self) -> Worker:
+        """A started worker, not yet in the pool. Never with STATE held: a spawn or
+        forkserver start can take seconds, and STATE is every pool's lock (issue 26)."""
         wid = next(self._wids)
         tasks = Queue(max_bytes=_TASK_QUEUE_BYTES)
         # Note [Children die with their parent]: judged in the thread that starts the worker
@@ -299,10 +306,56 @@ class TaskPool(TaskState, Pump):
         process = self._ctx.Process(
             target=W.main, args=(wid, tasks, self._results, *self._init),
             kwargs={"parent": parent}, name=f"TaskPool-worker-{wid}", daemon=True)
-        process.start()
-        self._workers[wid] = Worker(wid, process, tasks)
-        self._idle.append(wid)
+        try:
+            process.start()
+        except BaseException:
+            tasks.close()
+            raise
+        return Worker(wid, process, tasks)
+
+    def _add_worker(self, worker: Worker) -> None:
+        self._workers[worker.wid] = worker
+        self._idle.append(worker.wid)
         self._poke()  # the watcher waits on its sentinel too
+
+    def _start_owed(self) -> None:
+        """Starts the replacements of dead workers that ``_on_death`` counted, with the pump
+        held and STATE not (see ``_launch``)."""
+        while True:
+            with STATE:
+                if not self._owed_workers:
+                    return
+                if self._stopped or self._broken or (self._closing and not self._tasks):
+                    self._owed_workers = 0
+                    return
+                self._owed_workers -= 1
+            try:
+                worker = self._launch()
+            except Exception as e:  # noqa: BLE001 (whatever the start raised: reported below)
+                self._start_failed(e)
+                return
+            with STATE:
+                if not self._stopped:
+                    self._add_worker(worker)
+                    self._dispatch()
+                    STATE.notify_all()
+                    continue
+            worker.process.kill()  # the pool stopped while it started
+            worker.process.join()
+            worker.process.close()
+            worker.tasks.close()
+
+    def _start_failed(self, error: Exception) -> None:
+        cause = (f"a TaskPool could not start a worker to replace a dead one "
+                 f"({type(error).__name__}: {error})")
+        with STATE:
+            if self._workers:
+                log.warning("%s; it goes on with %d workers", cause, len(self._workers))
+                return
+            self._broken = f"{cause}, and has none left; create a new pool"
+            for task in list(self._tasks.values()):
+                self._end(task, error_value(PoolClosedError(self._broken)))
+            STATE.notify_all()
 
     def _stop_workers(self) -> None:
         """Takes the workers out of the pool (STATE held) and stops them (STATE not)."""

@@ -59,6 +59,7 @@ class Pump:
     _dispatch: Callable[[], None]
     _detach_workers: Callable[[], list]  # TaskPool's
     _join_workers: Callable[[list], None]
+    _start_owed: Callable[[], None]
 
     def _init_pump(self) -> None:
         self._pump = threading.Lock()
@@ -172,6 +173,7 @@ class Pump:
             self._handle(msgs)
             self._dispatch()
             STATE.notify_all()
+        self._start_owed()  # dead workers' replacements, STATE released (issue 26)
 
     def _await(self, ready: Callable[[], Any], deadline: float | None) -> None:
         """Returns once ``ready()`` (checked with STATE held) or ``deadline`` passed,

@@ -120,9 +120,7 @@ class TaskState:
     _ready: deque[Task]
     _oom_before: dict[str, int]
     _wake: Callable[[], None]  # Pump's (tasks/pump.py)
-
-    def _start_worker(self) -> None:
-        raise NotImplementedError
+    _owed_workers: int
 
     def _on_death(self, w: Worker) -> None:
         w.process.join(1.0)
@@ -145,11 +143,11 @@ class TaskState:
                     f"worker {w.wid} (pid {w.pid}) of the TaskPool "
                     f"{_exits.summarize(reason, code)} while running task {task.tid} "
                     f"({task.label}), after it produced {task.produced} value(s). {why} The "
-                    "pool started a replacement; submit(..., max_retries=N) re-runs a task "
+                    "pool starts a replacement; submit(..., max_retries=N) re-runs a task "
                     "whose worker dies.", w.pid, code,
                     _exits.signal_name(-code) if code is not None and code < 0 else None)))
         if not self._broken and (self._tasks or not self._closing):
-            self._start_worker()
+            self._owed_workers += 1  # started by the reader once STATE is released
 
     def _handle(self, msgs: list) -> None:
         for msg in msgs:
