@@ -47,8 +47,9 @@ def test_an_idle_pool_and_a_blocked_caller_cost_no_cpu():
         assert ref.get(timeout=T) == "done"
         blocked = _switches() - s0, _cpu_s() - c0
     # Polling every 20 ms woke the pool ~100 times in 2 s, and 150-600 times while the caller
-    # waited 3 s; without it a few wake-ups remain (the submit, the result, the harness's
-    # signals). The bounds leave room for a loaded machine's scheduling, not for a poll.
-    assert idle[0] < 20, f"an idle pool woke {idle[0]} times in 2 s"
-    assert blocked[0] < 40, f"a caller blocked on a 3 s task woke {blocked[0]} times"
+    # waited 3 s. What remains is the ring's blocked get returning every 200 ms so that Python
+    # can run signal handlers (WAIT_SLICE_S in csrc/queue/ring.cpp: ~10 in 2 s, ~15 in 3 s),
+    # the submit and the result; the bounds leave room for a loaded machine, not for a poll.
+    assert idle[0] < 30, f"an idle pool woke {idle[0]} times in 2 s"
+    assert blocked[0] < 60, f"a caller blocked on a 3 s task woke {blocked[0]} times"
     assert idle[1] < 0.05 and blocked[1] < 0.05, (idle, blocked)
