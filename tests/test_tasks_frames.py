@@ -103,3 +103,23 @@ def test_items_nobody_reads_release_their_values_when_the_pool_stops():
         pool.shutdown(wait=True)
     del gen, pool
     assert _refcount(t) == 1
+
+
+def test_values_of_a_stream_dropped_or_cancelled_unread_are_released():
+    """Items that arrive for a cancelled stream, or one whose generator was dropped without
+    being read, are released through the same dropper as a dropped frame's."""
+    pool = mp.TaskPool(1, start_method="fork")
+    t = mp.zeros(1000)  # after the fork: no worker holds it but through the messages
+    try:
+        gen = pool.submit(tw.yield_tensor, t, 200, num_returns="streaming")
+        first = next(gen)
+        gen.cancel()
+        assert gen.join(timeout=T)
+        del first, gen
+        gen = pool.submit(tw.yield_tensor, t, 200, num_returns="streaming")
+        del gen  # RefGenerator.__del__ cancels it
+        assert pool.submit(tw.add, 1, 2).get(timeout=T) == 3  # after the stream, one worker
+    finally:
+        pool.shutdown(wait=True)
+    del pool
+    assert _refcount(t) == 1
