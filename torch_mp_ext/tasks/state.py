@@ -1,6 +1,7 @@
 """The bookkeeping behind :class:`~torch_mp_ext.TaskPool`: tasks, workers, and what each
-worker message does to them (Note [Task protocol] in ``tasks/pool.py``). Everything here runs with
-``STATE`` held, in whichever thread read the message (Note [Who reads the result queue]).
+worker message does to them (Note [Task protocol] in ``tasks/pool.py``). Everything here runs
+with ``STATE`` held, in whichever thread read the message (Note [Who reads the result queue]
+in ``tasks/pump.py``).
 """
 
 from __future__ import annotations
