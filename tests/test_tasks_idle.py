@@ -53,3 +53,29 @@ def test_an_idle_pool_and_a_blocked_caller_cost_no_cpu():
     assert idle[0] < 30, f"an idle pool woke {idle[0]} times in 2 s"
     assert blocked[0] < 60, f"a caller blocked on a 3 s task woke {blocked[0]} times"
     assert idle[1] < 0.05 and blocked[1] < 0.05, (idle, blocked)
+
+
+def test_callers_in_many_threads_hand_the_result_queue_over_without_losing_a_wakeup():
+    """Callers in four threads wait at once; whoever reads the result queue hands it over
+    (Note [Who reads the result queue]). A caller that went to sleep on STATE just after
+    the pump came free would wait for a value nobody read, until its timeout."""
+    errors = []
+
+    def caller(pool, base):
+        try:
+            for i in range(1500):
+                assert pool.submit(tw.add, base, i).get(timeout=T) == base + i
+        except Exception as e:  # noqa: BLE001 (reported by the main thread)
+            errors.append(e)
+
+    with mp.TaskPool(2, start_method="fork") as pool:
+        threads = [threading.Thread(target=caller, args=(pool, 1000 * n)) for n in range(4)]
+        start = time.monotonic()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(2 * T)
+        elapsed = time.monotonic() - start
+    assert not errors and not any(th.is_alive() for th in threads), errors
+    # 6,000 round trips of ~50-100 us each; 10 s is a loaded machine, a lost wake-up is 30 s.
+    assert elapsed < 10.0, elapsed

@@ -205,23 +205,19 @@ class Pump:
             with STATE:
                 if ready():
                     return
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return
-            if not self._stopped and self._pump.acquire(blocking=False):
-                self._pumper = me
-                try:
-                    with STATE:
-                        if ready():
-                            return
-                    self._pump_once(remaining)
-                finally:
-                    self._pumper = None
-                    self._pump.release()
-                    with STATE:  # another caller may wait for the pump to be free
-                        STATE.notify_all()
-                continue
-            with STATE:  # the pump's holder notifies STATE for each message it handles
-                if ready():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
                     return
-                STATE.wait(remaining)
+                # Tried with STATE held: whoever lets the pump go notifies STATE after (below,
+                # and in _collect), so this wait cannot miss the pump coming free.
+                if self._stopped or not self._pump.acquire(blocking=False):
+                    STATE.wait(remaining)  # also notified for each message its holder handles
+                    continue
+            self._pumper = me
+            try:
+                self._pump_once(remaining)
+            finally:
+                self._pumper = None
+                self._pump.release()
+                with STATE:  # another caller may wait for the pump to be free
+                    STATE.notify_all()
