@@ -13,7 +13,9 @@ the collector thread reads it only while no caller waits (``_waiters``) nor did 
 blocked on the queue (``_collector_reading``, set and read under ``_turn`` with
 ``_waiters``: one of them always sees the other) posts a ``WAKE``; the collector gives the
 pump up and notifies ``STATE``; a caller that finds another caller reading sleeps on
-``STATE``, which that one notifies (and again when it lets the pump go).
+``STATE``, which that one notifies (and again when it lets the pump go). A caller tries the
+pump with ``STATE`` held, and whoever lets it go notifies ``STATE`` after: a caller cannot go
+to sleep just after the pump came free, with nobody left reading.
 
 Nothing polls. Whatever else can end a wait posts a ``WAKE`` message to the result queue, so
 that a reader blocked on it looks again: a task ended (or a stream cancelled) by a thread
