@@ -79,3 +79,13 @@ def test_callers_in_many_threads_hand_the_result_queue_over_without_losing_a_wak
     assert not errors and not any(th.is_alive() for th in threads), errors
     # 6,000 round trips of ~50-100 us each; 10 s is a loaded machine, a lost wake-up is 30 s.
     assert elapsed < 10.0, elapsed
+
+
+def test_a_task_waiting_for_another_pools_ref_starts_when_that_pool_fills_it():
+    """The ref is filled by the other pool's reader; with nothing polling, that reader must
+    dispatch the waiting task on its own pool (Note [Who reads the result queue])."""
+    with mp.TaskPool(1, start_method="fork") as first, \
+            mp.TaskPool(1, start_method="fork") as second:
+        a = first.submit(tw.sleep_then, 0.3, 5)
+        b = second.submit(tw.add, a, 1)
+        assert b.get(timeout=T) == 6
