@@ -1,5 +1,6 @@
 """The kill-anywhere harness (issue 12), run by tests/test_crash_consistency.py in a fresh
-interpreter: ``python _kill_anywhere.py ROUNDS SEED [STRATEGY]``. Prints one JSON object of counts.
+interpreter: ``python _kill_anywhere.py ROUNDS SEED [STRATEGY]`` (children started by fork, or by
+``TMX_KILL_START_METHOD``). Prints one JSON object of counts.
 
 Each round picks a scenario, SIGKILLs one process of it (at a deterministic crash point of
 the ring or doorbell protocol, or after a random delay), lets the survivors go on, then
@@ -33,7 +34,8 @@ T = 20.0
 N = 40  # items per queue scenario
 PUT_POINTS = [1, 2, 3]  # _C crash points: HoldingLock, PutBeforeCommit, PutAfterCommit
 GET_POINTS = [1, 4, 5]  # HoldingLock, GetBeforeCommit, GetAfterCommit
-CTX = mp.get_context("fork")
+# The start method of every child (TMX_KILL_START_METHOD: fork, the default, or forkserver).
+CTX = mp.get_context(os.environ.get("TMX_KILL_START_METHOD", "fork"))
 
 
 class Harness:

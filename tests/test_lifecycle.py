@@ -70,22 +70,36 @@ EXPIRY_SCRIPT = """
 import os, time, torch, torch_mp_ext as mp
 mp.set_sharing_strategy("file_system")
 mine = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{os.getpid()}_")]
+ctx = mp.get_context("fork")
+q, go = ctx.Queue(), ctx.Event()
+def map_and_wait(q, go):  # a live receiver keeps the segment mapped: the expiry decides
+    float(q.get(timeout=60).sum())
+    go.wait(60)
+p = ctx.Process(target=map_and_wait, args=(q, go))
+p.start()
 kept = mp.empty(10)
-t = mp.empty(1 << 20)
+t = mp.zeros(1 << 18)
 assert len(mine()) == 2, mine()
+q.put(t)
 del t
+while q.qsize():
+    time.sleep(0.01)
+time.sleep(0.2)  # the receiver has mapped it and dropped the tensor
 started = time.monotonic()
 while len(mine()) == 2 and time.monotonic() - started < 30:
     time.sleep(0.01)
 waited = time.monotonic() - started
 assert len(mine()) == 1, mine()  # the free segment went, the one with a live block stays
+go.set()
+p.join(60)
 print(round(waited, 2))
 """
 
 
 def test_file_system_names_of_free_segments_expire():
-    """Note [Pooled names]: a named segment left with no live block goes by itself after
-    TORCH_MP_EXT_NAMED_CACHE_S seconds; one with a live block stays."""
+    """Note [Pooled names]: a named segment left with no live block that a live receiver
+    maps goes by itself after TORCH_MP_EXT_NAMED_CACHE_S seconds; one with a live block
+    stays (one nobody else maps goes at once: tests/test_pooled_names.py)."""
     env = dict(os.environ, TORCH_MP_EXT_NAMED_CACHE_S="1")
     done = subprocess.run([sys.executable, "-c", EXPIRY_SCRIPT], capture_output=True, text=True,
                           timeout=120, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))

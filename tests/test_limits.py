@@ -137,7 +137,9 @@ def test_queues_work_under_a_file_size_limit():
 # ---- D7: the session table of a dead root -----------------------------------------------
 
 
-def test_dead_roots_session_table_is_swept_by_the_next_root():
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_dead_roots_session_table_is_swept_by_the_next_root(sig):
+    """A root killed by a scheduler's SIGTERM runs no exit handler either (issue 26)."""
     root = subprocess.Popen([sys.executable, WORKERS, "import_and_sleep"], stdout=subprocess.PIPE,
                             text=True, env=_root_env(), cwd=HERE)
     try:
@@ -145,9 +147,10 @@ def test_dead_roots_session_table_is_swept_by_the_next_root():
         table = f"tmx_{pid}_session_{tag}"
         assert table in os.listdir("/dev/shm")
     finally:
-        root.send_signal(signal.SIGKILL)
+        root.send_signal(sig)
         root.wait(TIMEOUT)
         root.stdout.close()
+    assert root.returncode == -sig
     assert table in os.listdir("/dev/shm")  # nobody of that run was left to remove it
     _ok(_run(sys.executable, WORKERS, "just_import"))
     assert table not in os.listdir("/dev/shm")

@@ -219,15 +219,27 @@ void Arena::expire_named() {
     std::vector<std::shared_ptr<Mapping>> free;
     size_t watched = 0;
     size_t free_bytes = 0;
+    std::vector<std::shared_ptr<Mapping>> unwatched;
     for (auto& [key, segments] : pools_) {
       if (!key.second) continue;
       watched += segments.size();
       for (auto& m : segments) {
         m->idle_ticks = fully_free(*m) ? m->idle_ticks + 1 : 0;
         if (m->idle_ticks == 0) continue;
+        // Note [Pooled names]: a free segment that no other live process maps keeps no
+        // receiver's mapping warm; its name goes now, as torch's would.
+        HolderTable holders = holders_of(m->header());
+        if (!holders.any_alive(holders.self())) {
+          unwatched.push_back(m);
+          continue;
+        }
         free.push_back(m);
         free_bytes += m->size();
       }
+    }
+    for (const auto& m : unwatched) {
+      retire_pooled_locked(m);  // unlinks the name: no block is live
+      --watched;
     }
     // Longest idle first: past the idle time, or past the share of /dev/shm a cache may hold.
     std::sort(free.begin(), free.end(),

@@ -19,7 +19,10 @@
 // - when its owner retires the segment with no block live: nothing can name it any more (a
 //   handle in flight holds a reference, so a live block). Besides trim, empty_cache() and
 //   normal exit, a thread of the owner's (checking every NAMED_TICK_MS) retires every named
-//   segment that stayed fully free for TORCH_MP_EXT_NAMED_CACHE_S seconds (default 10), and
+//   segment it finds fully free that no other live process maps (nothing gains from keeping
+//   it: its name goes within a tick of its last tensor, as torch's would, so leak checks
+//   that wait for the names of exited workers see them go; issue 26), every named segment
+//   that stayed fully free for TORCH_MP_EXT_NAMED_CACHE_S seconds (default 10), and
 //   the longest idle ones while free named segments hold more than a quarter of /dev/shm
 //   (named_budget(): /dev/shm is often small, and torch's own segments need it too). So
 //   names still go soon after their tensors, as torch's file_system users (and PyTorch's

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cerrno>
@@ -622,6 +623,26 @@ void Registry::retire_locked(const std::shared_ptr<Mapping>& mapping) {
   erase_locked(mapping);
 }
 
+// Note [Late writes at exit]
+// release_all() runs at interpreter exit, when daemon threads may still run and write into
+// tensors they hold. Once this process drops its reference to a block it received, the
+// block's owner may hand it out again at once, and a late write would land in someone else's
+// new tensor (issue 26). So before dropping them, the data pages of every segment this process
+// received blocks from are replaced, in this process only, by private anonymous memory
+// (mmap MAP_FIXED over the data region; the header and slot tables stay shared, since the
+// drops themselves write there). A late write then changes nothing another process sees, and
+// a late read sees zeros. Segments this process owns are left mapped: nobody else allocates
+// from them, and their receivers are meant to see their owner's writes. Queue rings let go
+// before this (their finalizers run at a higher exit priority than _release_at_exit).
+static void privatize_data(Mapping& mapping) {
+  char* begin = mapping.data_begin();
+  char* end = mapping.base() + mapping.size();
+  if (end <= begin) return;
+  void* got = ::mmap(begin, static_cast<size_t>(end - begin), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  (void)got;  // MAP_FAILED leaves the shared pages: the old behaviour, never a crash
+}
+
 void Registry::release_all() {
   std::vector<KeptSegment> kept;
   {
@@ -631,6 +652,10 @@ void Registry::release_all() {
     for (BlockRef* ref = refs_; ref != nullptr; ref = ref->next_) ref->live_ = false;
     for (auto& [id, mapping] : by_id_) {
       auto& counts = mapping->local_counts;
+      if (!mapping->owned && std::any_of(counts.begin(), counts.end(),
+                                         [](uint32_t n) { return n != 0; })) {
+        privatize_data(*mapping);  // Note [Late writes at exit]: before the references go
+      }
       for (uint32_t i = 0; i < counts.size(); ++i) {
         if (counts[i] == 0) continue;
         counts[i] = 1;
