@@ -205,3 +205,16 @@ def slow_exit(seconds):
 
     util.Finalize(None, time.sleep, args=(seconds,), exitpriority=100)
     return os.getpid()
+
+
+def sleep_in_first_worker(flag, seconds):
+    """Initializer: the first worker to start (flag[0] == 0) sleeps ``seconds`` before taking
+    tasks, so what is dispatched to it waits unread in its queue; later ones start at once."""
+    if flag[0] == 0:
+        flag[0] = os.getpid()
+        time.sleep(seconds)
+
+
+def yield_tensor(t, n):
+    for _ in range(n):
+        yield t

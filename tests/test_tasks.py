@@ -344,9 +344,9 @@ def test_initializer():
     with mp.TaskPool(1, initializer=tw.set_initialized, initargs=("yes",)) as pool:
         assert pool.submit(tw.get_initialized).get(timeout=T) == "yes"
     with mp.TaskPool(1, initializer=tw.failing_initializer) as pool:
-        ref = pool.submit(tw.add, 1, 2)
+        # submit() itself raises once the pool has read the worker's failure: a race
         with pytest.raises(PoolClosedError, match="initializer failed on purpose"):
-            ref.get(timeout=T)
+            pool.submit(tw.add, 1, 2).get(timeout=T)
 
 
 def test_shutdown_cancel_pending_and_submit_after_shutdown():
@@ -519,3 +519,55 @@ def test_a_slow_worker_join_does_not_stall_other_pools():
         slow.shutdown(wait=True)
         other.shutdown(wait=True)
     assert time.monotonic() - start >= 2.5  # the join really was slow
+
+
+class _SlowStarts:
+    """A pool's start-method context whose worker starts take ``seconds`` (as a spawn or
+    forkserver start can on a loaded machine); ``began`` is set when one begins."""
+
+    def __init__(self, ctx, seconds):
+        self._ctx, self._seconds = ctx, seconds
+        self.began, self.ended = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def Process(self, *args, **kwargs):  # noqa: N802 (the context's own name)
+        process = self._ctx.Process(*args, **kwargs)
+        start = process.start
+
+        def slow_start():
+            self.began.set()
+            time.sleep(self._seconds)
+            start()
+            self.ended.set()
+
+        process.start = slow_start
+        return process
+
+
+def test_a_slow_replacement_start_does_not_stall_other_pools():
+    """A dead worker's replacement was started with STATE, every pool's lock, held: while a
+    slow start ran, submit() on any other pool waited as long."""
+    slow = mp.TaskPool(1, start_method="fork")
+    other = mp.TaskPool(1, start_method="fork")
+    try:
+        pid = slow.submit(tw.pid_after, 0).get(timeout=T)
+        starts = slow._ctx = _SlowStarts(slow._ctx, 3.0)
+        os.kill(pid, signal.SIGKILL)
+        assert starts.began.wait(T)  # the replacement's start is under way
+        waits = []
+        for i in range(5):
+            t0 = time.monotonic()
+            ref = other.submit(tw.add, i, 1)
+            waits.append(time.monotonic() - t0)
+            assert ref.get(timeout=T) == i + 1
+        # A submit takes milliseconds; 1 s leaves room for a loaded machine, not for the
+        # 3 s start it waited for.
+        assert max(waits) < 1.0, waits
+        assert not starts.ended.is_set()  # the start was still going on
+        assert starts.ended.wait(T)
+        assert slow.submit(tw.add, 2, 3).get(timeout=T) == 5  # the replacement works
+    finally:
+        slow.shutdown(wait=True)
+        other.shutdown(wait=True)

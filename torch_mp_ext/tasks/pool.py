@@ -10,7 +10,8 @@
                                                                       yielded is pickled at
     collector thread ◀── one result queue ◀── (ITEM tid i wire) ───  once: tensors/arrays
       │ fills Refs / RefGenerator buffers,                            → arena blocks, the
-      │ notices dead workers (sentinels),           ◀── (DONE ...) ─  message only handles
+      │ handles (DIED wid) from the watcher         ◀── (DONE ...) ─  message only handles
+      │ thread (it waits on the sentinels),
       │ dispatches the next task                    ──▶ (CREDIT / CANCEL) between yields
       ▼
     Ref.get(): unpickles, zero-copy views of the worker's blocks (never a copy of the data)
@@ -21,7 +22,8 @@ whose refs to fail when a worker dies) and all share one result queue; both are
 ``torch_mp_ext.Queue`` rings, so a worker SIGKILLed mid-``put`` leaves them usable. The
 messages are in ``tasks/worker.py``. A worker runs one task at a time and gets the next when
 its DONE arrives. Values arrive in order per worker, and a dead worker's messages are all
-read before its death is handled, so its refs get every value it produced before the error.
+read before its death is handled (its DIED comes after them: Note [Who reads the result
+queue] in ``tasks/pump.py``), so its refs get every value it produced before the error.
 Back-pressure (``max_buffered``): a streaming worker that is ``max_buffered`` values ahead of
 the consumer sends WAIT and blocks on its queue; the consumer's ``next()`` sends a CREDIT
 (how many it consumed) once it has caught up. Cancellation is a CANCEL the worker reads after
@@ -34,17 +36,6 @@ by an exit finalizer that runs before ``multiprocessing``'s: refs still owed get
 workers), and the collector thread ends. Otherwise the interpreter would freeze that daemon
 thread wherever it was, possibly holding ``STATE``, and a RefGenerator collected later
 would wait for the lock for ever.
-
-Note [Who reads the result queue]
-A value that arrives while the caller waits for it should not need a second thread to wake
-the caller: handing the GIL from a busy collector thread to a waiting one can take the
-interpreter's whole switch interval (5 ms). So whoever waits (``next()``, ``get()``) reads the
-result queue itself, under the pool's pump lock, and handles every message it finds, for
-any task. The collector thread reads it only while no one has waited for 10 ms. Dead
-workers are looked for every 20 ms by whoever holds the pump lock (``_check_now``): a caller
-that keeps waiting re-takes the lock at once each slice, and Python's locks are not fair, so
-the collector alone could starve for seconds with a dead worker's task never failed (a
-SIGKILLed worker was noticed 1 to 8 s late under load; issue 12).
 
 Note [Counts that differ from num_returns]
 A fixed ``num_returns=k`` generator has its first k-1 values sent as yielded; the k-th is
@@ -60,7 +51,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
@@ -74,6 +64,7 @@ from ..processes.context import default_context
 from ..processes.spawn import launch_plan
 from ..queues.ring_queue import Queue
 from . import worker as W
+from .pump import Pump
 from .refs import STATE, Entry, Ref, RefGenerator
 from .state import (
     Task,
@@ -107,7 +98,7 @@ util.Finalize(None, _terminate_all, exitpriority=20)
 util.register_after_fork(_live, lambda _: _live.clear())
 
 
-class TaskPool(TaskState):
+class TaskPool(TaskState, Pump):
     """A pool of worker processes running tasks that return one value, k values, or a stream.
 
     Args:
@@ -140,20 +131,16 @@ class TaskPool(TaskState):
         self._broken: str | None = None
         self._wids = itertools.count()
         self._oom_before = _exits.oom_kill_counts()
-        self._thread: threading.Thread | None = None
-        self._pump = threading.Lock()
-        self._consumer_until = 0.0
-        self._last_check = 0.0
         self._stopped = False
+        self._owed_workers = 0  # replacements of dead workers not started yet
+        self._init_pump()
         try:
             for _ in range(count):
                 self._start_worker()
         except BaseException:
             self._stop_workers()
             raise
-        self._thread = threading.Thread(target=self._collect, name="TaskPool-collector",
-                                        daemon=True)
-        self._thread.start()
+        self._start_threads()
         _live.add(self)
 
     # -- public API ------------------------------------------------------------------------
@@ -255,6 +242,7 @@ class TaskPool(TaskState):
                     if task.wid is not None:
                         self._workers[task.wid].tasks.put((W.CREDIT, task.tid, 1 << 60))
             STATE.notify_all()
+            self._wake()  # the collector ends once nothing is owed
         thread = self._thread
         if wait and thread is not None and thread is not threading.current_thread():
             thread.join()
@@ -304,6 +292,12 @@ class TaskPool(TaskState):
 
     # -- workers ---------------------------------------------------------------------------
     def _start_worker(self) -> None:
+        """Starts a worker while the pool is created (not shared yet: STATE not needed)."""
+        self._add_worker(self._launch())
+
+    def _launch(self) -> Worker:
+        """A started worker, not yet in the pool. Never with STATE held: a spawn or
+        forkserver start can take seconds, and STATE is every pool's lock (issue 26)."""
         wid = next(self._wids)
         tasks = Queue(max_bytes=_TASK_QUEUE_BYTES)
         # Note [Children die with their parent]: judged in the thread that starts the worker
@@ -312,9 +306,56 @@ class TaskPool(TaskState):
         process = self._ctx.Process(
             target=W.main, args=(wid, tasks, self._results, *self._init),
             kwargs={"parent": parent}, name=f"TaskPool-worker-{wid}", daemon=True)
-        process.start()
-        self._workers[wid] = Worker(wid, process, tasks)
-        self._idle.append(wid)
+        try:
+            process.start()
+        except BaseException:
+            tasks.close()
+            raise
+        return Worker(wid, process, tasks)
+
+    def _add_worker(self, worker: Worker) -> None:
+        self._workers[worker.wid] = worker
+        self._idle.append(worker.wid)
+        self._poke()  # the watcher waits on its sentinel too
+
+    def _start_owed(self) -> None:
+        """Starts the replacements of dead workers that ``_on_death`` counted, with the pump
+        held and STATE not (see ``_launch``)."""
+        while True:
+            with STATE:
+                if not self._owed_workers:
+                    return
+                if self._stopped or self._broken or (self._closing and not self._tasks):
+                    self._owed_workers = 0
+                    return
+                self._owed_workers -= 1
+            try:
+                worker = self._launch()
+            except Exception as e:  # noqa: BLE001 (whatever the start raised: reported below)
+                self._start_failed(e)
+                return
+            with STATE:
+                if not self._stopped:
+                    self._add_worker(worker)
+                    self._dispatch()
+                    STATE.notify_all()
+                    continue
+            worker.process.kill()  # the pool stopped while it started
+            worker.process.join()
+            worker.process.close()
+            worker.tasks.close()
+
+    def _start_failed(self, error: Exception) -> None:
+        cause = (f"a TaskPool could not start a worker to replace a dead one "
+                 f"({type(error).__name__}: {error})")
+        with STATE:
+            if self._workers:
+                log.warning("%s; it goes on with %d workers", cause, len(self._workers))
+                return
+            self._broken = f"{cause}, and has none left; create a new pool"
+            for task in list(self._tasks.values()):
+                self._end(task, error_value(PoolClosedError(self._broken)))
+            STATE.notify_all()
 
     def _stop_workers(self) -> None:
         """Takes the workers out of the pool (STATE held) and stops them (STATE not)."""
@@ -332,6 +373,7 @@ class TaskPool(TaskState):
     def _join_workers(self, workers: list[Worker]) -> None:
         """Asks ``workers`` to stop, joins them (killing those still alive after
         ``_STOP_WAIT_S``) and closes the pool's queues. Never with STATE held."""
+        self._stop_watcher()  # first: it waits on the sentinels of processes closed below
         for w in workers:
             try:
                 w.tasks.put((W.STOP,), timeout=1.0)
@@ -346,68 +388,3 @@ class TaskPool(TaskState):
             w.process.close()
             w.tasks.close()
         self._results.close()
-
-    # -- reading results: Note [Who reads the result queue] ---------------------------------
-    def _check_now(self) -> None:
-        """Looks for dead workers if nobody did for 20 ms (the pump lock held)."""
-        now = time.monotonic()
-        if now - self._last_check > 0.02:
-            self._last_check = now
-            with STATE:
-                self._check_workers()
-                self._dispatch()
-                STATE.notify_all()
-
-    def _collect(self) -> None:
-        while True:
-            with STATE:
-                if self._closing and not self._tasks:
-                    break
-            consumer = time.monotonic() < self._consumer_until
-            if self._pump.acquire(timeout=0.02):
-                try:
-                    self._check_now()
-                    if not consumer:
-                        self._pump_once(0.02)
-                finally:
-                    self._pump.release()
-            if consumer:
-                time.sleep(0.005)
-        with STATE:
-            workers = self._detach_workers()
-        self._join_workers(workers)  # STATE released: other pools go on meanwhile
-
-    def _pump_once(self, timeout: float) -> None:
-        """Reads and handles what the workers sent (the pump lock held, STATE not)."""
-        try:
-            msgs = self._results.get_many(256, timeout=timeout)
-        except (queue.Empty, ValueError):  # nothing, or closed: the pool stopped
-            return
-        with STATE:
-            self._handle(msgs)
-            self._dispatch()
-            STATE.notify_all()
-
-    def _await(self, ready: Callable[[], Any], deadline: float | None) -> None:
-        """Returns once ``ready()`` (checked with STATE held) or ``deadline`` passed,
-        reading the result queue in this thread while it waits (called without STATE)."""
-        while True:
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return
-            step = 0.05 if deadline is None else min(0.05, deadline - now)
-            self._consumer_until = now + 0.01
-            if not self._stopped and self._pump.acquire(timeout=step):
-                try:
-                    with STATE:
-                        if ready():
-                            return
-                    self._check_now()
-                    self._pump_once(step)
-                finally:
-                    self._pump.release()
-            with STATE:
-                if ready():
-                    return
-                if self._stopped:
-                    STATE.wait(step)

@@ -14,22 +14,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..errors import GetTimeoutError
-from ..sharing import pickling as _pickling
 from ..timeouts import seconds
-from .values import Value, Wire, discard
+from .values import Value
 
 __all__ = ["STATE", "Ref", "RefGenerator", "get", "wait"]
 
 #: One lock for the state of every pool and entry; notified whenever a value arrives.
 STATE = threading.Condition(threading.RLock())
-
-
-def _drop_ref(oid: Any, wire: Wire) -> None:
-    discard(wire)
-
-
-# A queue frame dropped unread (a task message never taken) releases the refs inside it.
-_pickling.DROPPERS[(__name__, "_rebuild_ref")] = _drop_ref
 
 
 # ---- refs -----------------------------------------------------------------------------------
@@ -128,7 +119,8 @@ class Ref:
         return hash(self._entry.oid)
 
 
-def _rebuild_ref(oid: tuple, wire: Wire) -> Ref:
+def _rebuild_ref(oid: tuple, wire: tuple) -> Ref:
+    # Not a dropper: a dropped frame releases the Ref's wire by its own (Note [Dropped wires]).
     return Ref(Entry(oid, Value.from_wire(wire)))
 
 

@@ -1,16 +1,15 @@
 """The bookkeeping behind :class:`~torch_mp_ext.TaskPool`: tasks, workers, and what each
-worker message does to them (Note [Task protocol] in ``tasks/pool.py``). Everything here runs with
-``STATE`` held, in whichever thread read the message (Note [Who reads the result queue]).
+worker message does to them (Note [Task protocol] in ``tasks/pool.py``). Everything here runs
+with ``STATE`` held, in whichever thread read the message (Note [Who reads the result queue]
+in ``tasks/pump.py``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing.connection
-import queue
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import PoolClosedError, WorkerDiedError
 from ..processes import exits as _exits
@@ -121,9 +120,8 @@ class TaskState:
     _idle: deque[int]
     _ready: deque[Task]
     _oom_before: dict[str, int]
-
-    def _start_worker(self) -> None:
-        raise NotImplementedError
+    _wake: Callable[[], None]  # Pump's (tasks/pump.py)
+    _owed_workers: int
 
     def _on_death(self, w: Worker) -> None:
         w.process.join(1.0)
@@ -146,25 +144,11 @@ class TaskState:
                     f"worker {w.wid} (pid {w.pid}) of the TaskPool "
                     f"{_exits.summarize(reason, code)} while running task {task.tid} "
                     f"({task.label}), after it produced {task.produced} value(s). {why} The "
-                    "pool started a replacement; submit(..., max_retries=N) re-runs a task "
+                    "pool starts a replacement; submit(..., max_retries=N) re-runs a task "
                     "whose worker dies.", w.pid, code,
                     _exits.signal_name(-code) if code is not None and code < 0 else None)))
         if not self._broken and (self._tasks or not self._closing):
-            self._start_worker()
-
-    def _check_workers(self) -> None:
-        sentinels = {w.process.sentinel: w for w in self._workers.values()}
-        dead = multiprocessing.connection.wait(list(sentinels), 0)
-        if not dead:
-            return
-        while True:  # Note [Task protocol]: everything they sent before dying comes first
-            try:
-                msgs = self._results.get_many(256, block=False)
-            except queue.Empty:
-                break
-            self._handle(msgs)
-        for sentinel in dead:
-            self._on_death(sentinels[sentinel])
+            self._owed_workers += 1  # started by the reader once STATE is released
 
     def _handle(self, msgs: list) -> None:
         for msg in msgs:
@@ -175,7 +159,12 @@ class TaskState:
 
     def _on_message(self, msg: tuple) -> None:
         tag, wid = msg[0], msg[1]
-        if tag == W.READY:
+        if tag in (W.READY, W.WAKE):
+            return
+        if tag == W.DIED:  # after everything it sent (Note [Who reads the result queue])
+            worker = self._workers.get(wid)
+            if worker is not None:
+                self._on_death(worker)
             return
         if tag == W.INIT_FAILED:
             text = "".join(str(Value.from_wire(msg[2]).load()).splitlines()[-1:])
@@ -257,6 +246,7 @@ class TaskState:
             task.deps -= 1
             if task.deps == 0 and not task.ended:
                 task.pool._make_ready(task)
+                task.pool._dispatch()  # its pool may be another one, its collector asleep
 
     def _cancel(self, task: Task) -> None:
         """A streaming task's consumer cancelled it (Note [Task protocol])."""
@@ -271,6 +261,7 @@ class TaskState:
         task.ended = True
         self._tasks.pop(task.tid, None)
         task.payload = task.call = None
+        self._wake()  # ended by a thread not reading results: wake the one that does
         if task.stream is not None:
             task.stream.finish(error, cancelled)
             return

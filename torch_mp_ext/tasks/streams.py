@@ -99,6 +99,7 @@ class Stream:
             if not self.finished and not self.task.cancelled:
                 self.task.pool._cancel(self.task)
             STATE.notify_all()
+            self.task.pool._wake()  # a next() in another thread may be reading results
 
     def join(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -9,6 +9,16 @@ the message carries the box's handle. On the wire a value is ``(kind, payload)``
 ``VALUE`` or ``ERROR`` (the pickle of the task's exception, with its traceback), ``payload`` the
 pickle's bytes or ``(box handle, nbytes)``.
 
+Note [Dropped wires]
+A wire in a queue frame (a TASK's payload, an ITEM's value, a DONE's error, a Ref inside a
+value) holds references its frame's pickle cannot show: the handles are inside the nested
+pickle, or name the box. So a wire travels as a :class:`Wire` (a tuple that pickles as a call
+of ``_wire``), and ``_wire`` is one of ``release_frame``'s ``DROPPERS``: a frame dropped unread
+(a pool terminated with a task in a worker's queue, items nobody will read when the result
+queue closes) releases, through ``release_frame`` alone, every reference of every wire in
+it, nested ones and boxes included. ``discard`` is that same dropper, for a wire already
+read out of its frame.
+
 Note [Every Ref copy holds its value]
 Each handle inside a pickle carries one counted reference (Note [Block lifetime] in
 ``csrc/shm/layout.h``). A :class:`Value` takes those references over as :class:`_C.Block`
@@ -56,7 +66,21 @@ _MARK = b"torch_mp_ext"  # in every pickle that holds a handle; absent: nothing 
 _REBUILDERS = {"rebuild_storage": 1, "rebuild_cpu_tensor": 0, "rebuild_array": 0}
 _REF_MODULE = "torch_mp_ext.tasks.refs"
 
-Wire = tuple[int, Union[bytes, tuple[tuple, int]]]
+
+
+class Wire(tuple):
+    """A wire value, ``(kind, payload)``, that pickles as ``_wire(kind, payload)``: a frame
+    dropped unread releases its references (Note [Dropped wires]). Unpickled, it is a plain
+    tuple."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple:
+        return (_wire, tuple(self))
+
+
+def _wire(kind: int, payload: Union[bytes, tuple[tuple, int]]) -> tuple:
+    return (kind, payload)
 
 
 class _Collector(pickle.Unpickler):
@@ -75,6 +99,8 @@ class _Collector(pickle.Unpickler):
             return functools.partial(_adopt, self.blocks, _REBUILDERS[name])
         if module == _REF_MODULE and name == "_rebuild_ref":
             return functools.partial(_adopt_nested, self.blocks)
+        if module == __name__ and name == "_wire":
+            return _wire
         return _pickling.Inert
 
 
@@ -82,13 +108,13 @@ def _adopt(blocks: list[_C.Block], position: int, *args: Any) -> None:
     blocks.append(_C.attach(args[position]))
 
 
-def _adopt_nested(blocks: list[_C.Block], oid: Any, wire: Wire) -> None:
+def _adopt_nested(blocks: list[_C.Block], oid: Any, wire: tuple) -> None:
     box = _collect_wire(wire, blocks)[1]
     if box is not None:
         blocks.append(box)
 
 
-def _collect_wire(wire: Wire, blocks: list[_C.Block]) -> tuple[Any, _C.Block | None]:
+def _collect_wire(wire: tuple, blocks: list[_C.Block]) -> tuple[Any, _C.Block | None]:
     """(the pickle, its box or None), adopting the handles inside the pickle into ``blocks``."""
     payload = wire[1]
     box = None
@@ -119,7 +145,7 @@ class Value:
         self.blocks = blocks
 
     @classmethod
-    def from_wire(cls, wire: Wire) -> Value:
+    def from_wire(cls, wire: tuple) -> Value:
         """Takes over the references a wire value carries."""
         blocks: list[_C.Block] = []
         data, box = _collect_wire(wire, blocks)
@@ -130,8 +156,8 @@ class Value:
         for block in self.blocks:
             block.share()
         if self.box is None:
-            return (self.kind, self.data)
-        return (self.kind, (self.box.share(), len(self.data)))
+            return Wire((self.kind, self.data))
+        return Wire((self.kind, (self.box.share(), len(self.data))))
 
     def load(self) -> Any:
         """The object (for ``ERROR``: the exception, not raised)."""
@@ -156,10 +182,10 @@ def encode(obj: Any, kind: int = VALUE) -> Wire:
     """Pickles ``obj`` as a wire value; a large pickle goes into a box."""
     data = dumps(obj)
     if len(data) <= INLINE_MAX:
-        return (kind, data)
+        return Wire((kind, data))
     box = _C.allocate(len(data))
     memoryview(box)[: len(data)] = data
-    return (kind, (box.share(), len(data)))
+    return Wire((kind, (box.share(), len(data))))
 
 
 def encode_error(exc: BaseException) -> Wire:
@@ -176,14 +202,30 @@ def encode_error(exc: BaseException) -> Wire:
             f"pickled; its traceback is in .traceback)", text), ERROR)
 
 
-def discard(wire: Wire) -> None:
-    """Drops the references of a wire value nobody will read; never raises."""
-    payload = wire[1]
+def discard(wire: tuple) -> None:
+    """Drops the references of a wire value nobody will read; never raises.
+
+    The dropper ``release_frame`` calls for every wire in a dropped frame (Note [Dropped
+    wires]): one release path, whether the wire was read out of its frame or not.
+    """
+    kind, payload = wire
     if isinstance(payload, bytes):
         release_frame(TAG_PICKLE, payload)
         return
     try:
-        box = _C.attach(payload[0])
-        release_frame(TAG_PICKLE, bytes(memoryview(box)[: payload[1]]))
-    except Exception:
+        box = _C.attach(payload[0])  # takes over the box's reference: it goes with ``box``
+        view = memoryview(box)[: payload[1]]
+        try:
+            release_frame(TAG_PICKLE, view)
+        finally:
+            view.release()
+    except Exception:  # noqa: BLE001 (a box we cannot map: its references stay, as after a crash)
         log.debug("could not release the references of a dropped task value", exc_info=True)
+
+
+def _drop_wire(kind: int, payload: Union[bytes, tuple[tuple, int]]) -> None:
+    discard((kind, payload))
+
+
+# Note [Dropped wires]: a frame dropped unread releases the wires inside it.
+_pickling.DROPPERS[(__name__, "_wire")] = _drop_wire

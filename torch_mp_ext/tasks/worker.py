@@ -8,6 +8,9 @@ Messages (tuples on two crash-safe queues, Note [Task protocol] in ``tasks/pool.
     (CREDIT, tid, consumed)                          (WAIT, wid, tid)
     (CANCEL, tid)                                    (READY, wid, pid)
     (STOP,)                                          (INIT_FAILED, wid, error)
+                                                     (DIED, wid), (WAKE, -1): from the pool
+                                                     itself (Note [Who reads the result
+                                                     queue] in ``tasks/pump.py``)
 
 Note [One value at a time]
 A value is pickled as soon as it is yielded: tensors and arrays go to the arena (moved in
@@ -34,7 +37,7 @@ from .values import Value, discard, encode, encode_error
 __all__ = ["main"]
 
 TASK, CREDIT, CANCEL, STOP = range(4)
-ITEM, DONE, WAIT, READY, INIT_FAILED = range(5)
+ITEM, DONE, WAIT, READY, INIT_FAILED, DIED, WAKE = range(7)
 MODE_ONE, MODE_FIXED, MODE_DYNAMIC, MODE_STREAMING = range(4)
 FLAG_OK, FLAG_CANCELLED = 0, 1
 
