@@ -165,9 +165,14 @@ void Arena::reclaim_loop() {
     reclaim_wanted_ = false;
     std::vector<std::shared_ptr<Mapping>> segments;
     for (auto& [key, pool] : pools_) segments.insert(segments.end(), pool.begin(), pool.end());
-    lock.unlock();
-    Registry::reclaim_segments(segments);
-    segments.clear();  // a segment retired meanwhile may be unmapped here
+    {
+      // Taken before mu_ is let go: create_or_trim_locked() waits on it for the segments
+      // this snapshot keeps (their fds and mappings) before it retries.
+      std::lock_guard<std::mutex> pass(reclaim_pass_mu_);
+      lock.unlock();
+      Registry::reclaim_segments(segments);
+      segments.clear();  // a segment retired meanwhile is closed and unmapped here
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(RECLAIM_INTERVAL_MS));
     lock.lock();
   }
@@ -393,6 +398,10 @@ std::shared_ptr<Mapping> Arena::create_or_trim_locked(const SegmentSpec& spec) {
     finish_pending_unmaps();
     trim_locked(0);
     retire_free_sparse_locked();
+    // A reclaim pass may still hold segments just retired (their fds and mappings): wait for
+    // it (Note [Reclaiming off the allocation path]), then for the unmaps they queued.
+    { std::lock_guard<std::mutex> pass(reclaim_pass_mu_); }
+    finish_pending_unmaps();
     return create_segment(spec);
   }
 }
@@ -424,6 +433,7 @@ void Arena::atfork_child() {
   reclaimer_running_ = false;  // nor its reclaim thread, which may have been waiting on
   reclaim_wanted_ = false;     // the condition variable: a fresh one has no phantom waiter
   new (&reclaim_cv_) std::condition_variable();
+  new (&reclaim_pass_mu_) std::mutex();  // the reclaim thread may have held it at the fork
   mu_.unlock();
 }
 

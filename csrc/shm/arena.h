@@ -45,6 +45,8 @@
 // they stay mapped), reaps without the arena or registry mutex, judging each process once
 // per pass, and sleeps RECLAIM_INTERVAL_MS before it looks at the next request (idle, it
 // waits on a condition variable and costs nothing). empty_cache() still reclaims at once.
+// Its snapshot keeps segments (their fds and mappings) alive for the length of a pass: an
+// allocation that failed for room waits for the pass (reclaim_pass_mu_) before it retries.
 // What dead receivers held is back within about that interval, and the next allocations
 // find it; meanwhile at most the segments that interval needs are made.
 #pragma once
@@ -139,6 +141,7 @@ class Arena {
   bool expiry_running_ = false;  ///< an expiry thread watches the named pools
   std::condition_variable reclaim_cv_;  ///< with mu_: Note [Reclaiming off the allocation path]
   bool reclaim_wanted_ = false;
+  std::mutex reclaim_pass_mu_;  ///< held by a reclaim pass (after mu_ in the lock order)
   bool reclaimer_running_ = false;
 };
 
