@@ -10,6 +10,8 @@ import time
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
+import pytest
+
 import torch_mp_ext as mp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +30,7 @@ print("writing", flush=True)
 """
 
 
+@pytest.mark.slow  # a child that lingers 2 s in its exit handlers on purpose
 def test_a_daemon_thread_writing_at_exit_never_reaches_the_blocks_next_tensor():
     t = mp.zeros(1024)
     address = t.data_ptr()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 BUSY = """
@@ -76,6 +78,7 @@ def _run(code: str, **env_extra: str) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.slow  # 3.6 s of allocations on purpose: it outlasts three expiry periods
 def test_a_named_segment_allocated_from_between_ticks_is_not_retired():
     """Issue 26: allocation never reset the expiry's count of free ticks, so a segment used
     every 0.3 s looked free for ever and was retired every second (3 names in 3.6 s)."""
