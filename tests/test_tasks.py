@@ -507,18 +507,24 @@ def test_a_slow_worker_join_does_not_stall_other_pools():
         start = time.monotonic()
         slow.shutdown(wait=False)  # its collector now joins a worker that takes 3 s to exit
         time.sleep(0.5)
-        waits = []
-        for i in range(5):
-            t0 = time.monotonic()
-            ref = other.submit(tw.add, i, 1)
-            waits.append(time.monotonic() - t0)
-            assert ref.get(timeout=T) == i + 1
+        waits = _submit_waits(other)
         assert max(waits) < 1.0, waits
         assert os.path.exists(f"/proc/{slow_pid}")  # the join was still going on
     finally:
         slow.shutdown(wait=True)
         other.shutdown(wait=True)
     assert time.monotonic() - start >= 2.5  # the join really was slow
+
+
+def _submit_waits(pool):
+    """How long each of five submit() calls on `pool` took (each result checked)."""
+    waits = []
+    for i in range(5):
+        t0 = time.monotonic()
+        ref = pool.submit(tw.add, i, 1)
+        waits.append(time.monotonic() - t0)
+        assert ref.get(timeout=T) == i + 1
+    return waits
 
 
 class _SlowStarts:
@@ -556,12 +562,7 @@ def test_a_slow_replacement_start_does_not_stall_other_pools():
         starts = slow._ctx = _SlowStarts(slow._ctx, 3.0)
         os.kill(pid, signal.SIGKILL)
         assert starts.began.wait(T)  # the replacement's start is under way
-        waits = []
-        for i in range(5):
-            t0 = time.monotonic()
-            ref = other.submit(tw.add, i, 1)
-            waits.append(time.monotonic() - t0)
-            assert ref.get(timeout=T) == i + 1
+        waits = _submit_waits(other)
         # A submit takes milliseconds; 1 s leaves room for a loaded machine, not for the
         # 3 s start it waited for.
         assert max(waits) < 1.0, waits
