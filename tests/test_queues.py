@@ -187,6 +187,25 @@ def test_closed_queue_behaviour():
         assert isinstance(info.value, QueueClosedError)
 
 
+def test_a_closed_queue_still_referenced_holds_no_memory_and_no_fd():
+    """close() lets go of the ring's block at once: a closed queue kept alive (by a
+    traceback's frame, a list, a pipeline object) must not keep its segment mapped or its
+    memfd open until the object is collected (CI caught four such fds after a failed test)."""
+    from conftest import open_fds, shm_entries
+
+    fds, shm = open_fds(), shm_entries()
+    queues = [Queue(), JoinableQueue(), SimpleQueue()]
+    for q in queues:
+        q.put(torch.ones(4))
+        item = q.get() if isinstance(q, SimpleQueue) else q.get(timeout=T)  # it is there
+        assert item.sum().item() == 4
+        del item  # its block keeps its own segment mapped
+        q.close()
+    mp.empty_cache()
+    assert open_fds() - fds == set() and shm_entries() - shm == set()
+    assert all(q._ring.block is None for q in queues)
+
+
 def test_close_wakes_a_thread_blocked_in_get():
     q = Queue()
     errors = []

@@ -340,6 +340,9 @@ class RingHandle {
     if (released_ || attached_ || busy_ > 0) return false;
     released_ = true;
     block_.cast<BlockRef&>().release();
+    // The BlockRef keeps its segment mapped (and, for a pooled memfd, its fd open) while it
+    // lives: a closed queue object that is still referenced must not hold either.
+    block_ = py::none();
     return true;
   }
 
@@ -526,7 +529,7 @@ void init_queue(py::module_& m) {
           },
           "[(pid, queue objects, alive)] of the processes holding the ring.")
       .def_property_readonly("closed", &RingHandle::closed)
-      .def_property_readonly("block", &RingHandle::block, "The arena block the ring lives in.")
+      .def_property_readonly("block", &RingHandle::block, "The arena block the ring lives in (None once released).")
       .def_property_readonly("attached", &RingHandle::attached);
 }
 
