@@ -124,6 +124,21 @@ def _describe_fds(fds: set[str]) -> list[str]:
     return out
 
 
+def _processes() -> dict[int, tuple[int, str]]:
+    """Every live process: pid -> (parent pid, its /proc stat line), read once from /proc."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        found[int(entry)] = (int(stat[stat.rindex(")") + 2 :].split()[1]), stat)
+    return found
+
+
 def child_pids() -> set[int]:
     """Processes whose parent is this one, zombies included, minus session-long helpers
     (the forkserver, the resource tracker, torch's torch_shm_manager)."""
@@ -138,21 +153,9 @@ def child_pids() -> set[int]:
     ):
         if pid:
             skip.add(pid)
-    kids = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if "(torch_shm_manag" in stat:  # torch's fs-strategy daemon: lives with its clients
-            continue
-        if int(fields[1]) == me and int(entry) not in skip:
-            kids.add(int(entry))
-    return kids
+    # "(torch_shm_manag": torch's fs-strategy daemon lives with its clients.
+    return {pid for pid, (ppid, stat) in _processes().items()
+            if ppid == me and pid not in skip and "(torch_shm_manag" not in stat}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -171,16 +174,7 @@ def _leaks(shm_before: set[str], fds_before: set[str]):
 
 def descendants(root: int) -> set[int]:
     """Every live process below ``root`` (children, their children, ...), from /proc."""
-    parent_of = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        parent_of[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    parent_of = {pid: ppid for pid, (ppid, _) in _processes().items()}
     found, frontier = set(), {root}
     while frontier:
         frontier = {pid for pid, ppid in parent_of.items() if ppid in frontier} - found
