@@ -122,6 +122,34 @@ def test_main_module_is_preloaded_where_safe(tmp_path, start_thread):
     assert not os.path.exists(f"/proc/{reports[0]['ppid']}")
 
 
+ARGV_SCRIPT = """
+import json, os, sys
+MARK = os.getpid()
+LABEL = sys.argv[1]  # fails under the server's own argv (['-c'])
+import torch_mp_ext as mp
+import _spawn_workers as w
+if __name__ == "__main__":
+    q = mp.get_context("forkserver").SimpleQueue()
+    mp.start_processes(w.report, args=(q,), nprocs=2, start_method="forkserver")
+    print(json.dumps([q.get() for _ in range(2)]))
+"""
+
+
+@pytest.mark.slow  # a script that starts a forkserver: 4 s
+def test_a_main_that_reads_its_arguments_at_import_is_preloaded_with_them(tmp_path):
+    """Issue 36: the server imported main with its own argv (['-c']): ``sys.argv[1]`` at
+    import failed there, every worker imported main again (seconds for a training script)
+    and stderr said "not preloading ... IndexError", which the standard forkserver never
+    prints. The server now imports main with the launcher's arguments."""
+    script = tmp_path / "main_argv.py"
+    script.write_text(ARGV_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), "label"], env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert all(r["main_mark"] == r["ppid"] for r in json.loads(out.stdout))  # preloaded
+    assert out.stderr == ""
+
+
 ORPHAN_SCRIPT = """
 import json, sys, time
 import multiprocessing.forkserver

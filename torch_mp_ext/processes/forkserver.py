@@ -34,6 +34,10 @@ the server saves that per worker, and is what ``forkserver`` users ask for with
 running or CUDA initialised (a fork would copy a half-held lock, or a CUDA context that does
 not survive fork), or when it fails: the server then starts over as a fresh interpreter
 without it, and workers import main themselves as they would under the standard forkserver.
+The server imports main with the launcher's ``sys.argv``, as a spawn worker does (a script
+that reads its arguments at import time would fail on the server's ``-c``); a failure is not
+reported there (each worker imports main again and reports it as the standard one would),
+an unsafe import is, on stderr (it explains why workers start slower).
 """
 
 from __future__ import annotations
@@ -107,6 +111,8 @@ class _Server:
         address = os.path.join(util.get_temp_dir(), f"tmx-fs-{os.getpid()}-{secrets.token_hex(4)}")
         data = spawn.get_preparation_data("ignore")
         main_spec = {k: v for k, v in data.items() if k.startswith("init_main_from_")}
+        if main_spec:  # main runs there with the launcher's argv, as in a spawn worker
+            main_spec["sys_argv"] = data["sys_argv"]
         with socket.socket(socket.AF_UNIX) as listener:
             listener.bind(address)
             os.chmod(address, 0o600)  # CVE-2022-42919: only this user may ask for a fork
@@ -281,6 +287,8 @@ def _preload_main(main_spec: dict) -> str | None:
     threads = _thread_count()
     me: Any = process.current_process()
     me._inheriting = True  # as spawn workers import it
+    argv = sys.argv
+    sys.argv = list(main_spec.get("sys_argv", argv))  # a script may read it at import
     try:
         if "init_main_from_path" in main_spec:
             spawn.import_main_path(main_spec["init_main_from_path"])
@@ -291,6 +299,7 @@ def _preload_main(main_spec: dict) -> str | None:
         return f"importing it failed ({type(e).__name__}: {e})"
     finally:
         del me._inheriting
+        sys.argv = argv
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "importing it initialised CUDA"
@@ -312,10 +321,12 @@ def main(listener_fd: int, alive_r: int, preload: list[str], main_spec: dict,
     if main_spec:
         why = _preload_main(main_spec)
         if why is not None:  # Note [Preloading main]: start over without it
-            where = main_spec.get("init_main_from_path", main_spec.get("init_main_from_name"))
-            sys.stderr.write(f"torch_mp_ext forkserver: not preloading {where}: {why}; "
-                             "workers import it themselves\n")
-            sys.stderr.flush()
+            if not why.startswith("importing it failed"):  # a failure shows in each worker
+                where = main_spec.get("init_main_from_path",
+                                      main_spec.get("init_main_from_name"))
+                sys.stderr.write(f"torch_mp_ext forkserver: not preloading {where}: {why}; "
+                                 "workers import it themselves\n")
+                sys.stderr.flush()
             cmd = _server_command(listener_fd, alive_r, preload, {})
             flags = util._args_from_interpreter_flags()  # type: ignore[attr-defined]
             os.execv(sys.executable, [sys.executable, *flags, "-c", cmd])
