@@ -8,6 +8,8 @@ import os
 import pickle
 import queue
 import select
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -538,3 +540,51 @@ def test_a_process_on_one_cpu_never_spins():
     assert reopened == 0
     assert inherited == (q._ring.spin_state[0])  # the fork's copy keeps its parent's view
     q.close()
+
+
+EXIT_PUT_SCRIPT = """
+import torch
+from torch.utils.data import DataLoader
+import torch_mp_ext as mp
+
+class Numbers:
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.tensor([i])
+
+class Trainer(mp.Process):
+    def run(self):
+        loader = DataLoader(Numbers(), batch_size=1, num_workers=2,
+                            multiprocessing_context=mp.get_context("fork"))
+        it = iter(loader)
+        for i, _ in enumerate(it):
+            if i == 2:
+                raise RuntimeError("Loader error")
+
+if __name__ == "__main__":
+    p = Trainer()
+    p.start()
+    p.join(60)
+    print(p.exitcode)
+"""
+
+
+@pytest.mark.slow  # a script with a process and a DataLoader: 2-3 s
+def test_a_put_from_a_finalizer_after_the_exit_hook_is_dropped_quietly(tmp_path):
+    """Issue 36 (torch's ``test_proper_exit``, ``loader_error``): a process whose ``run()``
+    raises while a DataLoader iterator lives in the traceback. ``Process._bootstrap`` runs the
+    exit hooks (our rings are let go) before it clears the exception; the iterator's
+    ``__del__`` then puts its workers' sentinels. That printed "Exception ignored ...
+    ValueError: this queue object was closed"; torch's queues print nothing
+    (Note [Puts after exit])."""
+    script = tmp_path / "exit_put.py"
+    script.write_text(EXIT_PUT_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=os.path.dirname(
+                             os.path.dirname(mp.__file__))))
+    assert out.stdout.strip() == "1", (out.stdout, out.stderr)
+    assert "RuntimeError: Loader error" in out.stderr
+    assert "Exception ignored" not in out.stderr, out.stderr
+

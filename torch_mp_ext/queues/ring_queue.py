@@ -159,7 +159,20 @@ def _on_gc(phase: str, info: dict) -> None:
 gc.callbacks.append(_on_gc)
 
 
+# Note [Puts after exit]
+# The exit hook lets go of every ring before the process ends. In a multiprocessing child,
+# ``Process._bootstrap`` runs it while the exception that ended ``run()`` is still alive; when
+# that exception is then cleared, the objects its traceback held are freed, and their
+# ``__del__`` may still put on a queue (DataLoader's iterator puts its workers' shutdown
+# sentinels). The process is ending and its workers were terminated: such a put is dropped,
+# as the standard library's would be (its feeder thread is never flushed after the exit
+# hook), instead of raising into an "Exception ignored" report on stderr.
+_exited = False
+
+
 def _let_go_all() -> None:
+    global _exited
+    _exited = True
     for ring in list(_held):
         _let_go(ring)
 
@@ -370,6 +383,8 @@ class _RingQueue:
                                     else _timeout(block, timeout))
         except BaseException:  # Ctrl-C while waiting: nothing was put
             release_frame(tag, data)
+            if _exited and not self._ring.attached:  # Note [Puts after exit]
+                return
             raise
         if status:
             release_frame(tag, data)  # Note [Failed puts]
