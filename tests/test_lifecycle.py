@@ -244,6 +244,51 @@ def test_a_worker_may_put_a_tensor_and_return_before_it_is_received(nbytes):
     q.join_thread()
 
 
+KEEPER_SCRIPT = """
+import multiprocessing.reduction, os, time
+import torch_mp_ext as mp
+
+def pickle_and_exit():
+    multiprocessing.reduction.ForkingPickler.dumps(mp.zeros(1024))  # a handle never redeemed
+
+if __name__ == "__main__":
+    p = mp.get_context("fork").Process(target=pickle_and_exit)
+    p.start()
+    p.join(60)
+    time.sleep(0.5)  # the child's keeper serves while a member of its run lives
+    print(p.exitcode, flush=True)
+"""
+
+
+@pytest.mark.slow  # a script whose child leaves a keeper: 5 s
+def test_an_exit_keeper_does_not_outlive_the_run_that_could_ask_it(tmp_path):
+    """Issue 36: a keeper waited for its handles up to TORCH_MP_EXT_EXIT_LINGER_S (30 s)
+    after the whole run had ended, and "no leftover process" checks saw it. A handle can only
+    be redeemed by a process of its run (Note [Session names]): with none left, the keeper
+    leaves within a quarter of a second (Note [Exit keeper])."""
+    script = tmp_path / "keeper.py"
+    script.write_text(KEEPER_SCRIPT)
+    before = keeper_pids()
+    env = dict(os.environ, TORCH_MP_EXT_EXIT_LINGER_S="300",
+               PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
+    env.pop("TORCH_MP_EXT_SESSION", None)  # a run of its own, not a member of the suite's
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        keepers: set[int] = set()
+        assert wait_until(lambda: keepers.update(keeper_pids() - before) or keepers, timeout=60)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
+    assert out.strip() == "0"
+    ended = time.monotonic()
+    assert wait_until(lambda: not (keeper_pids() & keepers), timeout=60)
+    # 300 s was its linger: it left because its run ended (10 s: a loaded machine's margin).
+    assert time.monotonic() - ended < 10
+
+
 def test_cleanup_reaps_names_of_dead_processes(file_system):
     """A segment named by nothing in flight, whose holders all died, is garbage."""
     script = textwrap.dedent(

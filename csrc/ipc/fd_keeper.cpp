@@ -14,12 +14,14 @@
 #include <cstring>
 
 #include "common/deadline.h"
+#include "shm/session.h"
 
 namespace torch_mp_ext {
 
 namespace {
 
 constexpr int POLL_MS = 50;
+constexpr int POLLS_PER_SESSION_CHECK = 5;  // the session's members are looked at every 250 ms
 
 bool any_inflight(const KeptSegment* segments, size_t n) {
   for (size_t i = 0; i < n; ++i) {
@@ -111,7 +113,8 @@ void answer(int conn, const KeptSegment* segments, size_t n) {
   ::setsid();  // out of the terminal's process group: a Ctrl-C aimed at the job is not ours
   close_others(listen_fd, segments, n);
   const Deadline deadline(seconds > 0 ? seconds : 0.0);
-  while (any_inflight(segments, n) && !deadline.expired()) {
+  for (int polls = 1; any_inflight(segments, n) && !deadline.expired(); ++polls) {
+    if (polls % POLLS_PER_SESSION_CHECK == 0 && !session_may_have_members()) break;
     pollfd pfd{listen_fd, POLLIN, 0};
     int ready = ::poll(&pfd, 1, POLL_MS);
     if (ready <= 0) continue;

@@ -7,9 +7,12 @@
 // normally while handles to its segments are still in flight (SegmentHeader::inflight > 0)
 // forks a keeper: a process that inherits the listening socket and the segment fds, closes
 // everything else (so it never holds a pipe someone waits on), and answers fd requests at the
-// same address until no handle names its segments any more, or TORCH_MP_EXT_EXIT_LINGER_S
-// seconds (default 30) pass. It runs no Python and allocates nothing after fork: only
-// async-signal-safe system calls and atomic loads. A SIGKILLed process has no keeper.
+// same address until no handle names its segments any more, no other process of its run is
+// alive (Note [Session names]: a handle is redeemed by a member of the run that made it, so
+// when the last one has gone, nobody is left to ask; a test suite or a launcher that ends is
+// not outlived by keepers), or TORCH_MP_EXT_EXIT_LINGER_S seconds (default 30) pass. It runs
+// no Python and allocates nothing after fork: only async-signal-safe system calls and atomic
+// loads. A SIGKILLed process has no keeper.
 #pragma once
 
 #include <sys/types.h>

@@ -199,6 +199,12 @@ void session_atfork_child() {
   claim_member();
 }
 
+bool session_may_have_members() {
+  if (g_table == nullptr) return true;
+  return g_table->untracked.load(std::memory_order_acquire) != 0 ||
+         members_of(g_table).any_alive();
+}
+
 uint32_t session_name_tag() { return g_table == nullptr ? 0 : static_cast<uint32_t>(g_tag); }
 
 namespace {

@@ -68,6 +68,11 @@ void session_leave();
 /// Fork child: joins as a member of its own (from the atfork child handler).
 void session_atfork_child();
 
+/// Whether a process of this process's session may still live (true outside a session: it
+/// cannot be told). Judges by pid and start time only, with no allocation: the exit keeper
+/// calls it after fork (Note [Exit keeper] in ipc/fd_keeper.h).
+bool session_may_have_members();
+
 /// The 32-bit tag new names carry; 0 outside any session.
 uint32_t session_name_tag();
 
