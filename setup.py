@@ -20,9 +20,11 @@ ext_modules = [
         include_dirs=["csrc"],
         define_macros=[("VERSION_INFO", f'"{_version}"')],
         cxx_std=17,
-        extra_compile_args=["-O2", "-Wall", "-Wextra", "-pthread"],
+        # Note [Platform floor] (csrc/platform/compat.h): no glibc symbol newer than 2.28.
+        extra_compile_args=["-O2", "-Wall", "-Wextra", "-pthread",
+                            "-include", "csrc/platform/glibc_floor.h"],
         extra_link_args=["-pthread"],
-        libraries=["rt"],
+        libraries=["rt", "dl", "pthread"],
     )
 ]
 

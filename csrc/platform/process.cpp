@@ -19,6 +19,7 @@
 
 #include "common/check.h"
 #include "common/unique_fd.h"
+#include "platform/compat.h"
 
 namespace torch_mp_ext {
 
@@ -91,7 +92,7 @@ uint64_t process_key(pid_t pid, uint64_t start_time) {
 
 uint64_t pid_namespace_id() {
   struct stat st;
-  if (::stat("/proc/self/ns/pid", &st) != 0) return 0;
+  if (file_stat("/proc/self/ns/pid", &st) != 0) return 0;
   return static_cast<uint64_t>(st.st_ino);
 }
 
@@ -152,7 +153,8 @@ uint64_t self_pidns() {
 }
 
 void kill_self_when_process_exits(pid_t pid) {
-  int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  // Note [Platform floor]: pidfd_open needs Linux 5.3; without it (ENOSYS), getppid() polls.
+  int fd = pidfd_usable() ? static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)) : -1;
   if (fd < 0 && errno == ESRCH) ::kill(::getpid(), SIGKILL);
   std::thread([fd, pid] {
     if (fd >= 0) {

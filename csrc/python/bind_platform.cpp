@@ -1,5 +1,6 @@
 #include <pybind11/stl.h>
 
+#include "platform/compat.h"
 #include "platform/process.h"
 #include "python/bindings.h"
 
@@ -25,6 +26,18 @@ void init_platform(py::module_& m) {
   m.def("holder_key", &self_key,
         R"pbdoc(This process's identity: pid << 32 | low 32 bits of its start time.)pbdoc");
   m.def("fd_limit", &fd_limit, R"pbdoc(The RLIMIT_NOFILE soft limit.)pbdoc");
+  m.def(
+      "platform_features",
+      [] {
+        py::dict d;
+        d["fallbacks_forced"] = fallbacks_forced();
+        d["clocklock"] = has_clocklock();
+        d["seals"] = seals_usable();
+        d["pidfd"] = pidfd_usable();
+        return d;
+      },
+      R"pbdoc(Which calls above the platform floor are used (False: their fallback), and whether
+TORCH_MP_EXT_FALLBACKS=1 forced every fallback (Note [Platform floor] in platform/compat.h).)pbdoc");
 }
 
 }  // namespace torch_mp_ext::python

@@ -14,6 +14,7 @@
 
 #include "common/check.h"
 #include "common/errors.h"
+#include "platform/compat.h"
 #include "platform/process.h"
 #include "queue/ring_internal.h"
 #include "shm/segment.h"
@@ -302,7 +303,7 @@ bool Ring::owner_hopeless(uint32_t seen, int64_t waited_ns, bool untimed) {
           ? "has held it for seconds and cannot be verified (it is in another pid namespace, not "
             "registered, or a thread of this process)"
           : tid == 0             ? "does not exist"
-          : tid == ::gettid()    ? "is this very thread, waiting for it"
+          : tid == current_tid()    ? "is this very thread, waiting for it"
                                  : "is not a process holding this queue",
       "; a process wrote garbage into it, or a holder is stopped. Create a new queue"));
 }
@@ -555,24 +556,20 @@ RingState Ring::grown(uint64_t total) {
   // never passed and tail' = head' + used < 2 * old capacity always fits.
   uint64_t cap = s.capacity * 2;
   while (cap < used + total) cap *= 2;
-  // Reserve the new pages now: a full /dev/shm fails here, not with a SIGBUS later.
+  // Reserve the new pages now: a full /dev/shm fails here, not with a SIGBUS later. Only
+  // whole pages past the old capacity: they hold nothing yet (the page the old capacity ends
+  // in was reserved with it), which the fallback of populate_shared() needs.
   auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  auto lo = reinterpret_cast<uintptr_t>(data_ + s.capacity) & ~(page - 1);
+  auto lo = (reinterpret_cast<uintptr_t>(data_ + s.capacity) + page - 1) & ~(page - 1);
   auto hi = (reinterpret_cast<uintptr_t>(data_ + cap) + page - 1) & ~(page - 1);
-  int rc;
-  do {
-    rc = ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE);
-  } while (rc != 0 && (errno == EINTR || errno == EAGAIN));
-  if (rc != 0) {
-    int err = errno;
-    if (err == EFAULT || err == ENOMEM || err == ENOSPC) {
-      throw SyscallError(ENOSPC, "madvise(MADV_POPULATE_WRITE)", "a queue growing to " +
-                         std::to_string(cap) + " bytes",
+  if (int err = hi > lo ? populate_shared(reinterpret_cast<void*>(lo), hi - lo) : 0) {
+    const char* call = fallbacks_forced() ? "read(/dev/zero)" : "madvise(MADV_POPULATE_WRITE)";
+    if (err == ENOSPC) {
+      throw SyscallError(ENOSPC, call, "a queue growing to " + std::to_string(cap) + " bytes",
                          no_space_message(cap - s.capacity, h_->in_dev_shm != 0));
     }
-    throw SyscallError(err, "madvise(MADV_POPULATE_WRITE)", "a queue's growing ring",
-                       "this kernel cannot reserve shared pages in advance (Linux >= 5.14 "
-                       "can): create the queue with max_bytes= large enough instead");
+    throw SyscallError(err, call, "a queue's growing ring",
+                       "create the queue with max_bytes= large enough for its peak instead");
   }
   // Relocate: frames keep their physical place; the wrapped part moves past the old end.
   RingState next = s;

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "platform/compat.h"
 #include "platform/process.h"
 #include "queue/ring_internal.h"
 
@@ -151,7 +152,7 @@ pid_t thread_group_of(pid_t tid) {
 }  // namespace
 
 Ring::Owner Ring::judge_owner(pid_t tid) const {
-  if (tid == ::gettid()) return Owner::Garbage;  // we are waiting for it: we do not hold it
+  if (tid == current_tid()) return Owner::Garbage;  // we are waiting for it: we do not hold it
   if (h_->pidns != self_pidns()) return Owner::Doubtful;  // its thread ids mean nothing here
   HolderTable table = holders_of(h_);
   for (size_t i = 0; i < table.size(); ++i) {

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "common/unique_fd.h"
+#include "platform/compat.h"
 #include "platform/process.h"
 #include "shm/layout.h"
 #include "shm/segment.h"
@@ -58,7 +59,7 @@ bool judge_segment_header(const std::string& path,
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   if (!fd.valid()) return false;
   struct stat st;
-  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
+  if (fd_stat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
       static_cast<size_t>(st.st_size) < sizeof(SegmentHeader)) {
     return false;
   }

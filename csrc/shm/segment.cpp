@@ -17,6 +17,7 @@
 
 #include "common/arith.h"
 #include "common/check.h"
+#include "platform/compat.h"
 #include "platform/process.h"
 #include "shm/file_limit.h"
 #include "shm/session.h"
@@ -287,7 +288,7 @@ std::shared_ptr<Mapping> validate(char* base, size_t size, UniqueFd fd, std::str
 /// SIGBUS at the next access; the memfds we create are sealed against it.)
 size_t checked_fd_size(int fd, const std::string& resource, uint64_t expected_size) {
   struct stat st;
-  TMX_SYSCHECK(::fstat(fd, &st), "fstat", resource);
+  TMX_SYSCHECK(fd_stat(fd, &st), "fstat", resource);
   if (!S_ISREG(st.st_mode)) {
     throw CorruptSegmentError("shared memory segment " + resource +
                               " is not a shared-memory file (not a regular file or memfd)");
@@ -419,10 +420,13 @@ std::shared_ptr<Mapping> create_segment(const SegmentSpec& spec) {
     size_t upto = spec.reserve_bytes == 0 ? size
                                           : std::min(size, data_offset + spec.reserve_bytes);
     reserve(fd.get(), size, upto, resource, in_dev_shm);
-    if (!spec.named && g_backend.load() == AnonymousBackend::Memfd) {
+    if (!spec.named && g_backend.load() == AnonymousBackend::Memfd && seals_usable()) {
       // Sealed: no process that receives the fd can truncate it under the others' mappings.
-      TMX_SYSCHECK(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
-                   "fcntl(F_ADD_SEALS)", resource);
+      // A kernel without seals (EINVAL) leaves it unsealed (Note [Platform floor]).
+      if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        if (errno != EINVAL) throw SyscallError(errno, "fcntl(F_ADD_SEALS)", resource);
+        seals_refused();
+      }
     }
     base = map_fd(fd.get(), size, resource);
     init_header(base, size, data_offset, spec, name);

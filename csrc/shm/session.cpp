@@ -18,6 +18,7 @@
 #include <new>
 
 #include "common/unique_fd.h"
+#include "platform/compat.h"
 #include "platform/process.h"
 #include "shm/file_limit.h"
 #include "shm/layout.h"
@@ -150,7 +151,7 @@ bool session_join(uint64_t tag, int root, bool create) {
   if (!fd.valid()) return false;
   struct stat st;
   bool sized = create ? reserve_table(fd.get())
-                      : ::fstat(fd.get(), &st) == 0 &&
+                      : fd_stat(fd.get(), &st) == 0 &&
                             static_cast<size_t>(st.st_size) >= sizeof(SessionTable);
   void* p = sized ? ::mmap(nullptr, sizeof(SessionTable), PROT_READ | PROT_WRITE, MAP_SHARED,
                            fd.get(), 0)
@@ -237,7 +238,7 @@ std::vector<std::string> sweep_names(uint32_t tag32, bool dry_run) {
 /// container sharing /dev/shm, whose pids look dead here) may be writing it now.
 bool half_made_long_ago(int fd) {
   struct stat st;
-  return ::fstat(fd, &st) == 0 && ::time(nullptr) - st.st_mtime >= HALF_MADE_TABLE_AGE_S;
+  return fd_stat(fd, &st) == 0 && ::time(nullptr) - st.st_mtime >= HALF_MADE_TABLE_AGE_S;
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <cerrno>
 
 #include "common/check.h"
+#include "platform/compat.h"
 
 namespace torch_mp_ext {
 
@@ -96,8 +97,8 @@ RobustMutex::Acquired RobustMutex::lock(const Deadline& deadline, long grace_ms)
     until.tv_sec += 1;
     until.tv_nsec -= 1000000000L;
   }
-  return interpret(::pthread_mutex_clocklock(&mutex_, CLOCK_MONOTONIC, &until),
-                   "pthread_mutex_clocklock");
+  return interpret(mutex_lock_until(&mutex_, until),  // Note [Platform floor]
+                   has_clocklock() ? "pthread_mutex_clocklock" : "pthread_mutex_timedlock");
 }
 
 RobustMutex::Acquired RobustMutex::try_lock() {
