@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, Mapping, Sequence, ValuesView
 from multiprocessing import reduction
-from typing import Any, Iterable, Optional, Union, overload
+from typing import Any, Iterable, Optional, Union, cast, overload
 
 from . import store as _store
 
@@ -32,11 +32,14 @@ __all__ = ["SharedList", "SharedDict", "rebuild_shared"]
 
 
 def _size(nbytes: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes} {unit}" if unit == "bytes" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024  # type: ignore[assignment]
-    return ""  # unreachable
+    if nbytes < 1024:
+        return f"{nbytes} bytes"
+    value, unit = nbytes / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
 
 
 def _read_only(obj: Any, *args: Any) -> None:
@@ -151,7 +154,7 @@ class SharedList(Sequence):
 
 class _Items(ItemsView):
     def __iter__(self) -> Iterator[tuple]:
-        store = self._mapping._store
+        store = cast(SharedDict, self._mapping)._store
         n = store.records // 2
         record = store.record
         return ((record(j), record(n + j)) for j in range(n))
@@ -159,7 +162,7 @@ class _Items(ItemsView):
 
 class _Values(ValuesView):
     def __iter__(self) -> Iterator[Any]:
-        store = self._mapping._store
+        store = cast(SharedDict, self._mapping)._store
         n = store.records // 2
         return store.records_from(n, 2 * n)
 

@@ -334,7 +334,9 @@ class Store:
     """
 
     __slots__ = ("block", "kind", "records", "_buf", "_ro", "_off", "_hashes", "_table",
-                 "_mask", "_data_at", "__weakref__")
+                 "_mask", "_data_at")
+    _hashes: Optional[memoryview]
+    _table: Optional[memoryview]
 
     def __init__(self, block: Any) -> None:
         self.block = block
