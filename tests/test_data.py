@@ -140,6 +140,17 @@ def test_share_dataset_converts_lists_dicts_tensors_and_arrays_in_place():
     assert ds[5] == ("img5.png", 5)
     with pytest.raises(TypeError, match=r"Records.samples: cannot store item 1"):
         share_dataset(Records([0, lambda: 0]), attrs=["samples"])
+    with pytest.raises(AttributeError, match="no attribute 'labels'"):
+        share_dataset(Records([0]), attrs=["labels"])
+    with pytest.raises(TypeError, match="needs an object with attributes"):
+        share_dataset([1, 2, 3])
+
+
+def test_building_shows_progress_when_asked(capsys):
+    SharedList(range(300), progress=True)
+    assert "sharing list: 300/300 (100%) items" in capsys.readouterr().err
+    SharedList(range(300))  # not a terminal: quiet
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -19,7 +19,7 @@ is the bytes ``data[offsets[r]:offsets[r + 1]]``; its first byte names its codec
   then the k buffers, each 64-byte aligned. Reading passes views of the block as the
   buffers, so such arrays and tensors are zero-copy views of the store.
 
-A dict adds ``hashes[j]`` (:func:`stable_hash` of key j) and an open-addressing table of
+A dict adds ``hashes[j]`` (``hashing.stable_hash`` of key j) and an open-addressing table of
 ``slots`` (a power of two, at least twice n) entries, each 0 (empty) or ``j + 1``, probed
 linearly from ``hash & (slots - 1)``. The hash is stable across processes (``hash()`` of a
 ``str`` is not: spawn children get another ``PYTHONHASHSEED``), and consistent with ``==``
@@ -49,7 +49,6 @@ import pickle
 import struct
 import sys
 import time
-import zlib
 from array import array
 from typing import Any, Iterable, Iterator, Optional
 
@@ -59,8 +58,9 @@ import torch
 from .. import _C
 from ..errors import CorruptSegmentError
 from ..sharing import memory as _memory
+from .hashing import open_table, stable_hash
 
-__all__ = ["Store", "build_list", "build_dict", "stable_hash", "KIND_LIST", "KIND_DICT"]
+__all__ = ["Store", "build_list", "build_dict", "attach", "KIND_LIST", "KIND_DICT"]
 
 KIND_LIST, KIND_DICT = 0, 1
 _MAGIC = b"TMXSTORE"
@@ -166,44 +166,6 @@ def _append(data: bytearray, item: Any) -> None:
         data += raw
 
 
-def stable_hash(key: Any) -> int:
-    """A 32-bit hash of ``key`` that every process computes alike (Note [Store layout]).
-
-    Raises:
-        TypeError: ``key`` is not a ``str``, ``bytes``, number, ``None`` or tuple of those.
-    """
-    t = type(key)
-    if t is str:
-        return zlib.crc32(key.encode("utf-8", "surrogatepass"))
-    if t is int or t is bool:
-        return _int_hash(int(key))
-    if t is bytes:
-        return zlib.crc32(key, 0x5BD1E995)
-    if key is None:
-        return 0x9E3779B9
-    if t is tuple:
-        h = 0x345678
-        for x in key:
-            h = zlib.crc32(stable_hash(x).to_bytes(4, "little"), h)
-        return h
-    if isinstance(key, (int, np.integer)):
-        return _int_hash(int(key))
-    if isinstance(key, (float, np.floating)):
-        value = float(key)
-        if value.is_integer():
-            return _int_hash(int(value))
-        return zlib.crc32(struct.pack("<d", value), 0x27D4EB2F)
-    if isinstance(key, complex) and key.imag == 0:
-        return stable_hash(key.real)
-    raise TypeError(f"a SharedDict key must be a str, bytes, int, float, None or a tuple of "
-                    f"those, got {t.__name__}: {key!r}")
-
-
-def _int_hash(value: int) -> int:
-    return zlib.crc32(value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True),
-                      0x165667B1)
-
-
 class _Progress:
     """``\\r``-updated progress on stderr, for big stores built on a terminal."""
 
@@ -233,6 +195,8 @@ def _fill(data: bytearray, offsets: array, items: Iterable, progress: _Progress,
     for count, item in enumerate(items, 1):
         try:
             add(data, item)
+        except (MemoryError, OSError):
+            raise  # out of memory is not the item's fault
         except Exception as exc:  # pickle raises many kinds: name the item, keep the cause
             raise TypeError(
                 f"cannot store {what} {count - 1} (of type {type(item).__module__}."
@@ -243,20 +207,6 @@ def _fill(data: bytearray, offsets: array, items: Iterable, progress: _Progress,
         if not count & 0x1FFF:
             progress.update(done_before + count)
     return count
-
-
-def _table(hashes: np.ndarray) -> np.ndarray:
-    """The open-addressing table of Note [Store layout] for ``hashes``."""
-    n = len(hashes)
-    slots = 1 << max(3, (2 * n).bit_length())
-    table = [0] * slots  # a list: item access costs a third of a numpy array's
-    mask = slots - 1
-    for j, h in enumerate(hashes.tolist(), 1):
-        pos = h & mask
-        while table[pos]:
-            pos = (pos + 1) & mask
-        table[pos] = j
-    return np.array(table, dtype=np.uint32 if n < (1 << 32) - 1 else np.uint64)
 
 
 def _write(kind: int, records: int, offsets: array, data: bytearray,
@@ -301,7 +251,7 @@ def build_list(items: Iterable, progress: Optional[bool] = None) -> Store:
 
 
 def build_dict(mapping: Any, progress: Optional[bool] = None) -> Store:
-    """A store of a mapping's entries in its order (keys: :func:`stable_hash`'s types).
+    """A store of a mapping's entries in its order (keys: ``hashing.stable_hash``'s types).
 
     Raises:
         TypeError: a key of another type, or a key or value that cannot be pickled.
@@ -320,7 +270,7 @@ def build_dict(mapping: Any, progress: Optional[bool] = None) -> Store:
     _fill(data, offsets, (mapping[k] for k in keys), bar, "the value of entry", n)
     del keys
     bar.update(2 * n, force=True)
-    return _write(KIND_DICT, 2 * n, offsets, data, hashes, _table(hashes))
+    return _write(KIND_DICT, 2 * n, offsets, data, hashes, open_table(hashes))
 
 
 class Store:
