@@ -146,6 +146,16 @@ def test_share_dataset_converts_lists_dicts_tensors_and_arrays_in_place():
         share_dataset([1, 2, 3])
 
 
+def test_a_big_store_goes_back_to_the_os_when_dropped():
+    before = mp.memory_stats()["reserved_bytes"]
+    shared = SharedList(["x" * 100] * 170_000)
+    assert shared.nbytes >= 16 << 20 and shared[-1] == "x" * 100
+    assert mp.memory_stats()["reserved_bytes"] >= before + shared.nbytes
+    del shared
+    gc.collect()
+    assert mp.memory_stats()["reserved_bytes"] <= before  # not kept in the arena's cache
+
+
 def test_building_shows_progress_when_asked(capsys):
     SharedList(range(300), progress=True)
     assert "sharing list: 300/300 (100%) items" in capsys.readouterr().err

@@ -33,6 +33,19 @@ Python list writes the reference count of every item it touches and so copies it
 (pytorch/pytorch#13246). What each process holds privately is the handful of objects of the
 store itself (a block reference, a few memoryviews).
 
+Note [Freeing a store]
+The store's block is counted like any arena block (Note [Block lifetime] in
+``csrc/shm/layout.h``): every process holding it, and every handle in flight, holds a
+reference, and the last one to let go frees it, a worker killed by SIGKILL included (its
+references are reclaimed as a dead holder's). A freed block goes back to its owner's pool,
+where the arena keeps free segments for reuse up to its cache limit (1 GiB by default): right
+for the batches of a loader, which come back every few milliseconds, wrong for a store of
+hundreds of MiB that was built once. So when the building process's last reference to a
+store of ``RELEASE_AT_ONCE_BYTES`` or more dies (the ``Block`` object: the store and every
+array or tensor viewing it), it calls ``empty_cache()``, which returns every fully free
+segment it owns to the OS at once. If workers still hold the store then, it is freed when the
+last of them lets go, and stays in the owner's pool until the cache is trimmed or emptied.
+
 Note [Why marshal]
 For the plain records datasets are made of (paths, labels, boxes), ``marshal`` writes and
 reads about twice as fast as pickle and needs no per-item header. It is only used on items
@@ -49,6 +62,7 @@ import pickle
 import struct
 import sys
 import time
+import weakref
 from array import array
 from typing import Any, Iterable, Iterator, Optional
 
@@ -78,6 +92,9 @@ _MAX_DEPTH = 64
 
 #: Stores of at least this many items print their progress on a terminal (stderr a TTY).
 PROGRESS_MIN_ITEMS = 200_000
+#: Stores of at least this many bytes are returned to the OS when the building process lets
+#: go of them (Note [Freeing a store]).
+RELEASE_AT_ONCE_BYTES = 16 << 20
 
 
 def _plain(obj: Any, depth: int = 0) -> bool:
@@ -233,6 +250,8 @@ def _write(kind: int, records: int, offsets: array, data: bytearray,
         mv[table_at:table_at + table.nbytes] = table.tobytes()
     mv[data_at:data_at + len(data)] = data
     mv.release()
+    if block.capacity >= RELEASE_AT_ONCE_BYTES:  # Note [Freeing a store]
+        weakref.finalize(block, _C.empty_cache).atexit = False
     return Store(block)
 
 
