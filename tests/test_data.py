@@ -7,6 +7,9 @@ import copy
 import gc
 import os
 import pickle
+import shutil
+import subprocess
+import sys
 import time
 from multiprocessing.reduction import ForkingPickler
 
@@ -218,3 +221,37 @@ def test_nothing_is_left_in_dev_shm_once_loader_and_store_are_gone():
         assert not _names() - names_before
     finally:
         mp.set_sharing_strategy(before)
+
+
+FULL_DEV_SHM = """
+import os
+import torch_mp_ext as mp
+from torch_mp_ext.data import SharedList
+from torch_mp_ext.errors import SharedMemoryError
+mp.set_sharing_strategy("file_system")
+try:
+    SharedList(["x" * 1000] * 12000)  # 12 MiB into an 8 MiB /dev/shm
+except SharedMemoryError as e:
+    assert "--shm-size" in str(e), e
+    print("refused")
+shared = SharedList(["ok"] * 10)  # what fits still works
+assert shared[3] == "ok"
+del shared
+mp.empty_cache()
+print(sorted(n for n in os.listdir("/dev/shm") if n.startswith("torch_")))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter in a mount namespace (3-5 s)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) to mount a private tmpfs on /dev/shm")
+def test_a_store_larger_than_dev_shm_is_an_oserror_naming_the_fix(tmp_path):
+    script = tmp_path / "full.py"
+    script.write_text(FULL_DEV_SHM)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_MP_EXT_SESSION"}
+    out = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs -o size=8m tmpfs /dev/shm && {sys.executable} {script}"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.split() == ["refused", "[]"], out.stdout + out.stderr
