@@ -183,8 +183,9 @@ def test_workers_read_the_same_items_in_any_order_and_slices(method):
 def test_a_store_outlives_a_worker_killed_mid_epoch(method):
     shared = SharedList([{"path": f"{i}.jpg", "label": i} for i in range(64)])
     # A forkserver worker is not our child (no SIGCHLD): the loader sees the death when its
-    # wait for the dead worker's batch times out.
-    loader = _loader(method, Records(shared, kill_at=21), timeout=5)
+    # wait for the dead worker's batch times out (the others' deaths interrupt the wait).
+    loader = _loader(method, Records(shared, kill_at=21),
+                     timeout=15 if method == "forkserver" else 60)
     with pytest.raises(RuntimeError, match="killed by signal|exited unexpectedly"):
         for _ in loader:
             pass
