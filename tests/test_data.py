@@ -115,6 +115,26 @@ def test_it_pickles_as_a_small_handle_for_workers_and_by_value_otherwise():
     assert pickle.loads(bytes(ForkingPickler.dumps(d)))["a"] == Point(1, 2.0)
 
 
+def test_a_store_crosses_a_queue_as_a_handle_and_a_dropped_one_gives_its_reference_back():
+    shared = SharedList([f"{i}.jpg" for i in range(5000)])
+    block = shared._store.block
+    assert block.refcount == 1
+    q = mp.Queue()
+    q.put(shared)
+    assert block.refcount == 2  # the handle in flight holds one
+    got = q.get(timeout=30)
+    # This process's references to one block are one count (Note [Dead holders])
+    assert got == shared and got._store is not shared._store and block.refcount == 1
+    del got
+    q.put(shared)  # never taken: the queue's last holder drops the handle's reference
+    assert block.refcount == 2
+    q.close()
+    q.join_thread()
+    del q
+    gc.collect()
+    assert block.refcount == 1
+
+
 class Nested(Dataset):
     def __init__(self) -> None:
         self.samples = [(f"img{i}.png", i % 10) for i in range(3000)]
