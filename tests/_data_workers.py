@@ -81,3 +81,22 @@ class Records(Dataset):
 def as_list(batch: list) -> list:
     """collate_fn: the samples as they are."""
     return batch
+
+
+def private_dirty_kib() -> int:
+    """This process's Private_Dirty (pages it wrote that no other process shares), KiB."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Private_Dirty:"):
+                return int(line.split()[1])
+    raise RuntimeError("no Private_Dirty in /proc/self/smaps_rollup")
+
+
+def read_all_and_report(samples, conn) -> None:
+    """Child target: reads every sample as a loader would, sends its Private_Dirty growth."""
+    before = private_dirty_kib()
+    total = 0
+    for i in range(len(samples)):
+        total += len(samples[i]["path"])
+    conn.send((private_dirty_kib() - before, total))
+    conn.close()

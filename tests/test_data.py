@@ -16,7 +16,7 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import pytest
 import torch
-from _data_workers import Point, Records, as_list, same, sample_items
+from _data_workers import Point, Records, as_list, read_all_and_report, same, sample_items
 from torch.utils.data import DataLoader, Dataset
 
 import torch_mp_ext as mp
@@ -38,6 +38,32 @@ def test_every_supported_type_reads_back_the_same():
     for i, (got, want) in enumerate(zip(shared, items)):
         assert same(got, want), (i, got, want)
     assert all(same(shared[i], items[i]) for i in range(len(items)))
+
+
+def _growth_of_a_forked_reader(samples) -> tuple[int, int]:
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=read_all_and_report, args=(samples, there))
+    p.start()
+    there.close()
+    try:
+        assert here.poll(60), "the reader sent nothing"
+        return here.recv()
+    finally:
+        here.close()
+        p.join(30)
+
+
+def test_a_forked_reader_copies_no_page_of_the_store():
+    records = [{"path": f"/data/{i}.jpg", "label": i} for i in range(100_000)]
+    copied_list, total = _growth_of_a_forked_reader(records)
+    shared = SharedList(records)
+    del records
+    copied_store, total_again = _growth_of_a_forked_reader(shared)
+    assert total_again == total
+    # Reading the list wrote the refcount of every dict: its pages were copied (copy-on-read)
+    assert copied_list > 4 * 1024, copied_list
+    assert copied_store < copied_list / 8, (copied_store, copied_list)
 
 
 def test_arrays_and_tensors_are_views_of_the_store():
