@@ -27,7 +27,8 @@ import torch_mp_ext
 
 ROOT = Path(__file__).resolve().parents[1]
 API_DIR = ROOT / "docs" / "api"
-SUBPACKAGES = ["sharing", "cuda", "queues", "processes", "pipeline", "tasks", "exchange"]
+SUBPACKAGES = ["sharing", "cuda", "queues", "processes", "pipeline", "tasks", "exchange",
+               "data"]
 MODULES_WITH_ALL = [*SUBPACKAGES, "errors"]
 # Top-level names that are not ours to document: torch's private helpers it exports.
 TOP_LEVEL_NOT_OURS = {"annotations"}

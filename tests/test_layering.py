@@ -20,7 +20,7 @@ PKG = Path(__file__).resolve().parent.parent / "torch_mp_ext"
 LAYERS = [
     {"_C", "_version", "errors", "timeouts"},
     {"sharing", "cuda"},
-    {"reductions"},
+    {"reductions", "data"},
     {"queues"},
     {"processes"},
     {"exchange", "pipeline", "tasks"},

@@ -1,7 +1,7 @@
 """Benchmarks write ``--json`` results that ``tools/plot_benchmarks.py`` turns into PNGs.
 
 A real, tiny run of ``bench_queue.py`` (a couple of seconds) checks the JSON a benchmark
-writes and plots it; ``tests/data/bench/*.json`` are results of real quick runs of the five
+writes and plots it; ``tests/data/bench/*.json`` are results of real quick runs of the six
 plotted benchmarks (``--repeats 1`` and small sizes), so every plot is drawn from the format
 the benchmarks actually write without running the slow ones here.
 """
@@ -70,14 +70,15 @@ def test_quick_benchmark_run_writes_json_that_plots(tmp_path):
 def test_every_plot_from_real_results(tmp_path):
     benchmarks = {json.loads(f.read_text())["benchmark"] for f in FIXTURES}
     assert benchmarks == {"bench_tensor_transfer", "bench_queue", "bench_spawn",
-                          "bench_dataloader", "bench_exchange"}
+                          "bench_dataloader", "bench_exchange", "bench_dataset_memory"}
     handoff = json.loads((ROOT / "tests" / "data" / "bench" / "transfer.json").read_text())
     assert any(r.get("floor") for r in handoff["rows"])  # the memcpy floor is plotted
     done = plot(FIXTURES, tmp_path)
     assert done.returncode == 0, done.stderr
     pngs = sorted(tmp_path.glob("*.png"))
     assert [p.name for p in pngs] == [
-        "dataloader.png", "exchange.png", "handoff.png", "queue.png", "spawn.png"]
+        "dataloader.png", "dataset_memory.png", "exchange.png", "handoff.png", "queue.png",
+        "spawn.png"]
     assert all(_is_png(p) for p in pngs)
 
 

@@ -4,8 +4,9 @@
 
 One PNG per file, named after its benchmark (``handoff.png`` for bench_tensor_transfer, with
 ``-queue`` appended for ``--transport queue``; ``queue.png``, ``spawn.png``,
-``dataloader.png``, ``exchange.png``). Each plot says under its title the command and the
-machine that made it. Needs matplotlib (the ``docs`` extra); draws without a display (Agg).
+``dataloader.png``, ``exchange.png``, ``dataset_memory.png``). Each plot says under its title
+the command and the machine that made it. Needs matplotlib (the ``docs`` extra); draws
+without a display (Agg).
 
 - hand-off: median time from ``put()`` until the consumer holds the tensor vs tensor size,
   one line per library and variant, log-log; floors (rows marked ``floor``: the in-process
@@ -14,6 +15,8 @@ machine that made it. Needs matplotlib (the ``docs`` extra); draws without a dis
 - spawn: seconds to start N workers and join them, cold and warm, per way of starting.
 - dataloader: batches/s per start method, default context vs torch_mp_ext's.
 - exchange: ms until every collector has loaded a state_dict, per contender; floor dashed.
+- dataset_memory: PSS of main + DataLoader workers at the end of an epoch per dataset and
+  start method, with the idle workers' fixed cost dotted.
 """
 
 from __future__ import annotations
@@ -200,12 +203,35 @@ def plot_exchange(doc: dict[str, Any], path: str) -> str:
     return _save(fig, path)
 
 
+def plot_dataset_memory(doc: dict[str, Any], path: str) -> str:
+    records = doc["params"].get("records", "?")
+    workers = doc["params"].get("workers", "?")
+    fig, ax = _figure(doc, f"DataLoader over {records:,} Python records, {workers} workers:\n"
+                           "PSS of main + workers at the end of an epoch (MiB)"
+                      if isinstance(records, int) else "Dataset memory (MiB)", 8)
+    rows = doc["rows"]
+    groups = _ordered(r["start_method"] for r in rows)
+    series = [s for s in _ordered(r["series"] for r in rows) if not s.startswith("idle")]
+    cell = {(r["start_method"], r["series"]): r["median_end_pss_mib"] for r in rows}
+    _grouped_bars(ax, groups, series, lambda g, s: cell.get((g, s)))
+    for i, g in enumerate(groups):  # the fixed cost of the main process and idle workers
+        idle = cell.get((g, "idle"))
+        if idle is not None:
+            ax.hlines(idle, i - 0.45, i + 0.45, colors="grey", linestyles=":",
+                      label="main + idle workers" if i == 0 else None)
+    ax.legend(fontsize=8)
+    ax.set_ylabel("PSS at the end of the epoch (MiB)")
+    ax.set_xlabel("start method")
+    return _save(fig, path)
+
+
 PLOTS: dict[str, tuple[str, Callable[[dict[str, Any], str], str]]] = {
     "bench_tensor_transfer": ("handoff", plot_handoff),
     "bench_queue": ("queue", plot_queue),
     "bench_spawn": ("spawn", plot_spawn),
     "bench_dataloader": ("dataloader", plot_dataloader),
     "bench_exchange": ("exchange", plot_exchange),
+    "bench_dataset_memory": ("dataset_memory", plot_dataset_memory),
 }
 
 

@@ -61,6 +61,8 @@ from .spawn import (
 globals().update((name, getattr(_default_context, name)) for name in _stdlib_mp.__all__)
 
 # Tasks (docs/tasks.md): attributes, not in __all__, which stays torch.multiprocessing's.
+# Datasets without copy-on-read (docs/datasets.md): attributes, not in __all__, likewise.
+from .data import SharedDict, SharedList, share_dataset
 from .tasks.pool import TaskPool
 from .tasks.refs import Ref, RefGenerator, get, wait
 

@@ -267,11 +267,12 @@ def _drop_handle_first(handle: tuple, *rest: Any) -> None:
     _C.release_handle(handle)
 
 
-# Every rebuild function of reductions.py that takes over a block reference.
+# Every rebuild function that takes over a block reference (reductions.py, data/).
 DROPPERS = {
     ("torch_mp_ext.reductions", "rebuild_storage"): _drop_storage,
     ("torch_mp_ext.reductions", "rebuild_cpu_tensor"): _drop_handle_first,
     ("torch_mp_ext.reductions", "rebuild_array"): _drop_handle_first,
+    ("torch_mp_ext.data.containers", "rebuild_shared"): _drop_handle_first,
 }
 
 
