@@ -155,6 +155,7 @@ void kill_self_when_process_exits(pid_t pid) {
   int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
   if (fd < 0 && errno == ESRCH) ::kill(::getpid(), SIGKILL);
   std::thread([fd, pid] {
+    name_this_thread("tmx-parentwatch");
     if (fd >= 0) {
       struct pollfd p{fd, POLLIN, 0};
       while (::poll(&p, 1, -1) < 0 && errno == EINTR) {
@@ -164,6 +165,10 @@ void kill_self_when_process_exits(pid_t pid) {
     }
     ::kill(::getpid(), SIGKILL);
   }).detach();
+}
+
+void name_this_thread(const char* name) {
+  ::prctl(PR_SET_NAME, name, 0, 0, 0);  // best effort: a name is only a label
 }
 
 size_t page_size() {

@@ -25,7 +25,7 @@ import torch
 
 from ..sharing import memory as _memory
 from ..sharing import strategy as sharing
-from . import dataloader
+from . import dataloader, forkcheck
 
 __all__ = ["ForkProcess", "SpawnProcess", "StrategyCarrier"]
 
@@ -50,6 +50,8 @@ class StrategyCarrier:
         global _forking_our_child
         self._tmx_sharing_strategy = sharing.get_sharing_strategy()
         method = getattr(self, "_start_method", None) or multiprocessing.get_start_method()
+        if method == "fork":
+            forkcheck.check()  # Note [Fork after threads]
         _forking_our_child = method == "fork"
         try:
             super().start()  # type: ignore[misc]
