@@ -55,6 +55,7 @@ from multiprocessing.context import set_spawning_popen
 from typing import Any
 
 from .. import _C
+from . import popen_spawn
 from .process import StrategyCarrier
 
 __all__ = [
@@ -105,7 +106,7 @@ class _Server:
 
     def _start(self) -> int:
         address = os.path.join(util.get_temp_dir(), f"tmx-fs-{os.getpid()}-{secrets.token_hex(4)}")
-        data = spawn.get_preparation_data("ignore")
+        data = popen_spawn.preparation_data("ignore")
         main_spec = {k: v for k, v in data.items() if k.startswith("init_main_from_")}
         with socket.socket(socket.AF_UNIX) as listener:
             listener.bind(address)
@@ -227,7 +228,7 @@ class _Popen(popen_forkserver.Popen):
     DupFd = _DupFd  # type: ignore[assignment]
 
     def _launch(self, process_obj: Any) -> None:
-        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data = popen_spawn.preparation_data(process_obj._name)
         buf = io.BytesIO()
         set_spawning_popen(self)
         try:

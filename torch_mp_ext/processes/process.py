@@ -19,13 +19,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 from multiprocessing import context as _ctx
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from ..sharing import byvalue, pickling
 from ..sharing import memory as _memory
 from ..sharing import strategy as sharing
-from . import dataloader, forkcheck
+from . import dataloader, forkcheck, popen_spawn
 
 __all__ = ["ForkProcess", "SpawnProcess", "StrategyCarrier"]
 
@@ -71,11 +72,34 @@ class StrategyCarrier:
             dataloader.install()
         super().run()  # type: ignore[misc]
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        if _ctx.get_spawning_popen() is not None and "_target" in state:
+            # Note [By-value fallback] (sharing/byvalue.py): what the child runs travels as
+            # one pickle, plain where that works, by value where it cannot.
+            call = (state.pop("_target"), state.pop("_args"), state.pop("_kwargs"))
+            state["_tmx_call"] = _dump_call(call)
+        return state
+
     def __setstate__(self, state: dict) -> None:
+        call = state.pop("_tmx_call", None)
         self.__dict__.update(state)
         strategy = state.get("_tmx_sharing_strategy")
         if strategy is not None and strategy != sharing.get_sharing_strategy():
             sharing.set_sharing_strategy(strategy)
+        if call is not None:  # after the strategy: the arguments' tensors follow it
+            self._target, self._args, self._kwargs = pickling.loads(call)
+
+
+def _dump_call(call: tuple) -> bytes:
+    """(target, args, kwargs) pickled for a spawn or forkserver child: by value at once when
+    :func:`byvalue.probe` says so, else :func:`pickling.dumps` (plain, by value on failure)."""
+    target, args, kwargs = call
+    if byvalue.probe((target, *args, *kwargs.values())):
+        data = byvalue.by_value(call)
+        if data is not None:
+            return data
+    return pickling.dumps(call)  # type: ignore[no-any-return]
 
 
 class ForkProcess(StrategyCarrier, _ctx.ForkProcess):
@@ -83,4 +107,6 @@ class ForkProcess(StrategyCarrier, _ctx.ForkProcess):
 
 
 class SpawnProcess(StrategyCarrier, _ctx.SpawnProcess):
-    pass
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:  # noqa: N802 (multiprocessing's name)
+        return popen_spawn.Popen(process_obj)  # Note [A main module read from stdin]

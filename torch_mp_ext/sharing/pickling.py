@@ -66,6 +66,7 @@ from typing import Any, Callable, List
 
 from .. import _C
 from ..errors import PeerDiedError
+from . import byvalue as _byvalue
 from . import records as _records
 from .strategy import get_sharing_strategy
 
@@ -132,7 +133,8 @@ def dumps(obj: Any) -> bytes:
 def dump_item(obj: Any, limit: int) -> Any:
     """``dumps(obj)``, except that a pickle larger than ``limit`` made of several chunks comes
     back as the list of chunks, not joined: :func:`to_block` copies them once (Note [Large
-    items out of line])."""
+    items out of line]). Objects that cannot be pickled by reference are pickled by value
+    (Note [By-value fallback] in ``byvalue.py``)."""
     tp = type(obj)
     if tp in PLAIN_TYPES:  # a plain value, or a small tuple of them: no reducer can apply
         return _plain_dumps(obj, PROTOCOL)
@@ -142,6 +144,19 @@ def dump_item(obj: Any, limit: int) -> Any:
                 break
         else:
             return _plain_dumps(obj, PROTOCOL)
+    try:
+        data = _dump_pickled(obj, limit)
+    except _byvalue.BY_REFERENCE_ERRORS as exc:  # Note [By-value fallback] (byvalue.py)
+        return _byvalue.by_value(obj, exc)
+    if _byvalue.names_main(data):
+        again = _byvalue.by_value(obj)
+        if again is not None:
+            release_frame(TAG_PICKLE, data if type(data) is bytes else b"".join(data))
+            return again
+    return data
+
+
+def _dump_pickled(obj: Any, limit: int) -> Any:
     shared = _shared
     if not shared.lock.acquire(False):
         parts: List[Any] = []
