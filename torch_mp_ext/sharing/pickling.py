@@ -115,6 +115,9 @@ class _SharedPickler:
 
 
 _shared = _SharedPickler()
+_BY_REFERENCE_ERRORS = _byvalue.BY_REFERENCE_ERRORS
+_modules = sys.modules
+_main_ok: Any = None  # a __main__ children can import, once seen (_by_value_main)
 
 
 def _reset_after_fork() -> None:  # another thread may have held the lock at fork time
@@ -144,39 +147,54 @@ def dump_item(obj: Any, limit: int) -> Any:
                 break
         else:
             return _plain_dumps(obj, PROTOCOL)
+    shared = _shared
     try:
-        data = _dump_pickled(obj, limit)
-    except _byvalue.BY_REFERENCE_ERRORS as exc:  # Note [By-value fallback] (byvalue.py)
+        if not shared.lock.acquire(False):
+            parts: List[Any] = []
+            _QueuePickler(_Sink(parts.append), PROTOCOL).dump(obj)
+            data = None
+        else:
+            chunks = shared.chunks
+            try:
+                shared.pickler.dump(obj)
+                if len(chunks) == 1:
+                    data = chunks[0]
+                else:
+                    data, parts = None, chunks[:]
+            finally:
+                chunks.clear()
+                shared.pickler.clear_memo()
+                shared.lock.release()
+    except _BY_REFERENCE_ERRORS as exc:  # Note [By-value fallback] (byvalue.py)
         return _byvalue.by_value(obj, exc)
-    if _byvalue.names_main(data):
-        again = _byvalue.by_value(obj)
+    if data is None:
+        if len(parts) == 1:
+            data = parts[0]
+        elif sum(len(p) for p in parts) <= limit:
+            data = b"".join(parts)
+        else:
+            data = parts
+    if _modules.get("__main__") is not _main_ok:  # one dict lookup while __main__ is fine
+        again = _by_value_main(obj, data)
         if again is not None:
-            release_frame(TAG_PICKLE, data if type(data) is bytes else b"".join(data))
             return again
     return data
 
 
-def _dump_pickled(obj: Any, limit: int) -> Any:
-    shared = _shared
-    if not shared.lock.acquire(False):
-        parts: List[Any] = []
-        _QueuePickler(_Sink(parts.append), PROTOCOL).dump(obj)
-    else:
-        chunks = shared.chunks
-        try:
-            shared.pickler.dump(obj)
-            if len(chunks) == 1:
-                return chunks[0]
-            parts = chunks[:]
-        finally:
-            chunks.clear()
-            shared.pickler.clear_memo()
-            shared.lock.release()
-    if len(parts) == 1:
-        return parts[0]
-    if sum(len(p) for p in parts) <= limit:
-        return b"".join(parts)
-    return parts
+def _by_value_main(obj: Any, data: Any) -> bytes | None:
+    """Case 2 of Note [By-value fallback]: ``obj`` pickled by value if its plain pickle
+    ``data`` names a ``__main__`` that children cannot import (``data``'s references are
+    then released), else None. Remembers a ``__main__`` children can import."""
+    global _main_ok
+    if _byvalue.main_is_importable():
+        _main_ok = _modules.get("__main__")
+        return None
+    if not _byvalue.names_main(data):
+        return None
+    again = _byvalue.by_value(obj)
+    if again is not None:
+        release_frame(TAG_PICKLE, data if type(data) is bytes else b"".join(data))
+    return again
 
 
 def _named() -> bool:
