@@ -97,7 +97,7 @@ def pipeline_local_stage(ctx):
     return list(plus_one(range(4)))
 
 
-def dataloader_lambda_collate(ctx):
+def dataloader_lambda_collate(ctx):  # and a lambda worker_init_fn
     class Squares(Dataset):
         def __len__(self):
             return 6
@@ -106,7 +106,8 @@ def dataloader_lambda_collate(ctx):
             return i * i
 
     loader = DataLoader(Squares(), batch_size=2, num_workers=2, multiprocessing_context=ctx,
-                        collate_fn=lambda batch: [x * 10 for x in batch], timeout=T)
+                        collate_fn=lambda batch: [x * 10 for x in batch], timeout=T,
+                        worker_init_fn=lambda worker_id: torch.manual_seed(worker_id))
     return [batch for batch in loader]
 
 
