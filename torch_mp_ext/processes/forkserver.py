@@ -233,7 +233,7 @@ class _Popen(popen_forkserver.Popen):
         set_spawning_popen(self)
         try:
             reduction.dump(prep_data, buf)
-            reduction.dump(process_obj, buf)
+            popen_spawn.dump_process(process_obj, buf)
         finally:
             set_spawning_popen(None)
         self.sentinel, w = _server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]

@@ -2,7 +2,8 @@
 
 Adapted from CPython 3.11 ``Lib/multiprocessing/popen_spawn_posix.py`` (``Popen._launch``);
 changes: the preparation data comes from :func:`preparation_data`, which leaves out a main
-module path that does not exist.
+module path that does not exist; the process object is pickled by :func:`dump_process`,
+which falls back to pickling what it runs by value.
 
 Note [A main module read from stdin]
 ``python - < script.py`` (or ``python < script.py``) runs ``__main__`` with ``__file__`` set
@@ -22,7 +23,33 @@ from multiprocessing import popen_spawn_posix, reduction, resource_tracker, spaw
 from multiprocessing.context import set_spawning_popen
 from typing import Any
 
-__all__ = ["Popen", "preparation_data"]
+from ..sharing import byvalue
+
+__all__ = ["Popen", "dump_process", "preparation_data"]
+
+
+def dump_process(process_obj: Any, fp: io.BytesIO) -> None:
+    """``reduction.dump(process_obj, fp)``, made again with what the process runs pickled by
+    value when plain pickling raised, or named a ``__main__`` children cannot import (Note
+    [By-value fallback] in ``sharing/byvalue.py``; ``StrategyCarrier.__getstate__`` makes
+    the by-value pickle)."""
+    start = fp.tell()
+    first: Any = None
+    try:
+        reduction.dump(process_obj, fp)
+    except byvalue.BY_REFERENCE_ERRORS as exc:
+        first = exc
+    else:
+        if byvalue.main_is_importable() or not byvalue.names_main(fp.getvalue()[start:]):
+            return
+        first = True
+    fp.seek(start)
+    fp.truncate()
+    process_obj._tmx_by_value = first  # read (and left out) by StrategyCarrier.__getstate__
+    try:
+        reduction.dump(process_obj, fp)
+    finally:
+        del process_obj._tmx_by_value
 
 
 def preparation_data(name: str) -> dict[str, Any]:
@@ -46,7 +73,7 @@ class Popen(popen_spawn_posix.Popen):
         set_spawning_popen(self)
         try:
             reduction.dump(prep_data, fp)
-            reduction.dump(process_obj, fp)
+            dump_process(process_obj, fp)
         finally:
             set_spawning_popen(None)
         parent_r = child_w = child_r = parent_w = None

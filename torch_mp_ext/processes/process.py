@@ -74,11 +74,18 @@ class StrategyCarrier:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
+        # Note [By-value fallback] (sharing/byvalue.py): what the child runs (target, args,
+        # kwargs) is pickled plainly, as before, unless the probe finds a lambda, a local or
+        # an unimportable __main__ object among them, or a plain attempt failed
+        # (popen_spawn.dump_process): then it travels as one by-value pickle.
+        first = state.pop("_tmx_by_value", None)
         if _ctx.get_spawning_popen() is not None and "_target" in state:
-            # Note [By-value fallback] (sharing/byvalue.py): what the child runs travels as
-            # one pickle, plain where that works, by value where it cannot.
-            call = (state.pop("_target"), state.pop("_args"), state.pop("_kwargs"))
-            state["_tmx_call"] = _dump_call(call)
+            call = (state["_target"], state["_args"], state["_kwargs"])
+            if first is not None or byvalue.probe((call[0], *call[1], *call[2].values())):
+                data = byvalue.by_value(call, first if isinstance(first, BaseException) else None)
+                if data is not None:
+                    del state["_target"], state["_args"], state["_kwargs"]
+                    state["_tmx_call"] = data
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -89,17 +96,6 @@ class StrategyCarrier:
             sharing.set_sharing_strategy(strategy)
         if call is not None:  # after the strategy: the arguments' tensors follow it
             self._target, self._args, self._kwargs = pickling.loads(call)
-
-
-def _dump_call(call: tuple) -> bytes:
-    """(target, args, kwargs) pickled for a spawn or forkserver child: by value at once when
-    :func:`byvalue.probe` says so, else :func:`pickling.dumps` (plain, by value on failure)."""
-    target, args, kwargs = call
-    if byvalue.probe((target, *args, *kwargs.values())):
-        data = byvalue.by_value(call)
-        if data is not None:
-            return data
-    return pickling.dumps(call)  # type: ignore[no-any-return]
 
 
 class ForkProcess(StrategyCarrier, _ctx.ForkProcess):

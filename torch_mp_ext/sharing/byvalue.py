@@ -20,17 +20,21 @@ do: the fast paths pickle exactly as before and pay nothing (Note [Pickling queu
    bytes ``__main__``, made only in that case): the plain pickle is dropped (its references
    released, Note [Releasing dropped frames]) and the object pickled by value.
 
-Starting a process first asks :func:`probe` about the target and its top-level arguments, so
-that the usual by-value cases (a lambda target, a local function for ``spawn``, a DataLoader's
-lambda ``collate_fn`` or local dataset class) never make a first attempt that fails half-way.
+Starting a spawn or forkserver process pickles it as before (``popen_spawn.dump_process``),
+except that :func:`probe` first looks at the target and its top-level arguments, so that the
+usual by-value cases (a lambda target, a local function for ``spawn``, a DataLoader's lambda
+``collate_fn`` or local dataset class) go by value at once and never make a first attempt
+that fails half-way; deeper ones (a pipeline stage inside its task) are found by cases 1 and
+2 and the process object is pickled again.
 What such a failed attempt already reduced cannot be taken back: a tensor or queue pickled
 before the object that failed keeps the reference its handle carries until its owner exits,
 as after any pickling error (its pickle is lost inside the pickler).
 
 Where: every queue item and task value (``pickling.dump_item``: queues, ``Pool``'s tasks and
 results, ``TaskPool``, pipeline links); what a spawn or forkserver ``Process`` runs (target,
-args, kwargs, pickled as one in ``Process.__getstate__``: ``spawn``/``start_processes``,
-pipeline stages, DataLoader workers' dataset, ``collate_fn`` and ``worker_init_fn``);
+args, kwargs, by value as one pickle made in ``StrategyCarrier.__getstate__``:
+``spawn``/``start_processes``, pipeline stages, DataLoader workers' dataset,
+``collate_fn`` and ``worker_init_fn``);
 ``spawn``'s return values; and ``concurrent.futures.ProcessPoolExecutor``'s work items
 (:func:`reduce_call_item`, registered with ``ForkingPickler``: its queue pickles them in a
 feeder thread, so only the probe's cases go by value there).
