@@ -5,9 +5,10 @@ object travels with its traceback and becomes the ``__cause__`` of the parent's
 ``ProcessRaisedException``; deaths by signal are explained (an OOM kill, SIGBUS from a full
 ``/dev/shm``, a segfault with the child's stack from ``faulthandler``); every failed process is
 listed, not only the first; ``fn`` takes keyword arguments (``kwargs=``) and its return values
-can be had (``return_values=True``, Note [Return values] in ``worker.py``); error files live in one private directory removed once read
-(torch leaves them in ``/tmp``); children get ``PR_SET_PDEATHSIG(SIGKILL)``, not SIGINT; processes
-already started are killed when a later one fails to start; ``start_method="forkserver"`` uses
+can be had (``return_values=True``, Note [Return values] in ``worker.py``); error files live
+in one private directory removed once read (torch leaves them in ``/tmp``); children get
+``PR_SET_PDEATHSIG(SIGKILL)``, not SIGINT; processes already started are killed when a later
+one fails to start; ``start_method="forkserver"`` uses
 torch_mp_ext's fast forkserver (torch and ``__main__`` preloaded), workers started in parallel
 unless ``TORCH_MP_PARALLEL_START=0``. The worker side (``wrap``, the error files, Note
 [Children die with their parent]) is in ``worker.py``.

@@ -243,7 +243,7 @@ def by_value(obj: Any, error: Optional[BaseException] = None) -> Optional[bytes]
     buf = io.BytesIO()
     try:
         pickler(buf, PROTOCOL).dump(obj)
-    except Exception as again:  # noqa: BLE001 (reported with the plain error, or ignored)
+    except Exception as again:  # reported with the plain error, or the plain pickle stands
         if error is None:
             return None
         _explain(error, f"while pickling {_describe(obj)}; pickling it by value (cloudpickle) "
