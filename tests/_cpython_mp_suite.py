@@ -33,6 +33,9 @@ INTENDED = {
     # feeder thread to survive it (nor _on_queue_feeder_error to override).
     ("WithProcessesTestQueue", "test_queue_feeder_donot_stop_onexc"),
     ("WithProcessesTestQueue", "test_queue_feeder_on_queue_feeder_error"),
+    # A lambda a worker returns is pickled by value (Note [By-value fallback] in
+    # sharing/byvalue.py): it reaches the caller instead of failing as MaybeEncodingError.
+    ("WithProcessesTestPoolWorkerErrors", "test_unpickleable_result"),
 }
 
 _found: dict = {"__name__": __name__}

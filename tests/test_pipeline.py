@@ -314,17 +314,21 @@ def test_a_composed_inner_call_cannot_be_iterated_too():
         assert list(outer) == [0, -1, -4]
 
 
-def test_local_stages_need_fork():
+def test_local_stages_are_pickled_by_value():
     @mp.stage
     def local(items):
         yield from items
 
-    with deadline():
-        assert list(local(range(3))) == [0, 1, 2] if mp.get_start_method() == "fork" else True
-        with pytest.raises(pickle.PicklingError, match="top level of a module"):
+    with deadline():  # Note [By-value fallback] (sharing/byvalue.py)
+        assert list(mp.pipeline(range(3), local, start_method="forkserver")) == [0, 1, 2]
+        assert list(mp.pipeline(range(3), lambda x: -x, start_method="forkserver")) == [
+            0, -1, -2]
+    mp.set_pickle_by_value(False)
+    try:  # as the standard library pickles: refused before any process starts
+        with pytest.raises((pickle.PicklingError, AttributeError), match="local"):
             list(mp.pipeline(range(3), local, start_method="spawn"))
-        with pytest.raises(Exception, match="lambda|local|pickle"):
-            list(mp.pipeline(range(3), lambda x: x, start_method="forkserver"))
+    finally:
+        mp.set_pickle_by_value(True)
 
 
 def test_arguments_are_checked():

@@ -124,8 +124,8 @@ def test_unpicklable_item_raises_at_the_call_site_and_the_queue_stays_usable():
         q.put({"lock": threading.Lock()})
     if hasattr(info.value, "__notes__"):
         assert "item of type dict" in info.value.__notes__[0]
-    with pytest.raises(Exception) as info:
-        q.put_many([1, lambda: None])  # nothing of the batch is put
+    with pytest.raises(Exception) as info:  # (a lambda would go by value: issue 30)
+        q.put_many([1, threading.Lock()])  # nothing of the batch is put
     assert q.empty()
     # torch's own refusal comes through unchanged (test_non_leaf_variable_sharing)
     var = torch.arange(1.0, 26).view(5, 5).requires_grad_() * 2

@@ -40,6 +40,7 @@ from .sharing.arena import (
     zeros,
     zeros_array,
 )
+from .sharing.byvalue import get_pickle_by_value, set_pickle_by_value
 from .sharing.strategy import (
     _all_sharing_strategies,
     get_all_sharing_strategies,

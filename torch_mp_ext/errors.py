@@ -31,6 +31,7 @@ __all__ = [
     "InvalidSharingStrategyError",
     "ChannelClosedError",
     "CudaSharingWarning",
+    "ForkAfterThreadsWarning",
     "QueueClosedError",
     "PipelineError",
     "TaskError",
@@ -205,6 +206,16 @@ class CudaSharingWarning(RuntimeWarning):
 
     Emitted after the bounded exit wait (``torch_mp_ext.cuda.set_exit_wait``); the message
     counts the blocks and bytes still referenced and names the processes holding them.
+    """
+
+
+class ForkAfterThreadsWarning(RuntimeWarning):
+    """A child is started with the ``fork`` start method while the parent runs other threads
+    (Python or native: OpenMP/MKL pools, tokenizers, gRPC), whose locks the child inherits
+    held: the random-hang risk of Note [Fork after threads] (``processes/forkcheck.py``).
+
+    Emitted once per process, naming the threads; silence it with
+    ``warnings.filterwarnings("ignore", category=ForkAfterThreadsWarning)``.
     """
 
 

@@ -47,6 +47,7 @@ from torch.multiprocessing.reductions import (  # re-exported: same behaviour as
 
 from . import _C
 from .cuda import ipc as _cuda_ipc
+from .sharing import byvalue
 from .sharing import memory as _memory
 from .sharing import records as _records
 
@@ -379,3 +380,5 @@ def init_reductions() -> None:
     reduction.register(torch.Tensor, reduce_tensor)
     reduction.register(torch.nn.parameter.Parameter, reduce_tensor)
     reduction.register(np.ndarray, reduce_array)
+    # ProcessPoolExecutor's work items (Note [By-value fallback] in sharing/byvalue.py).
+    reduction.register(byvalue.CALL_ITEM, byvalue.reduce_call_item)

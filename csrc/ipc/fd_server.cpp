@@ -109,7 +109,10 @@ std::string FdServer::address() {
   int raw = fd.get();
   // Opened here, not in the thread: the caller sees every fd the server will hold.
   spare_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-  std::thread([this, raw] { serve(raw); }).detach();
+  std::thread([this, raw] {
+    name_this_thread("tmx-fdserver");
+    serve(raw);
+  }).detach();
   listen_fd_ = std::move(fd);
   address_ = name;
   return address_;

@@ -157,6 +157,7 @@ void kill_self_when_process_exits(pid_t pid) {
   int fd = pidfd_usable() ? static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)) : -1;
   if (fd < 0 && errno == ESRCH) ::kill(::getpid(), SIGKILL);
   std::thread([fd, pid] {
+    name_this_thread("tmx-parentwatch");
     if (fd >= 0) {
       struct pollfd p{fd, POLLIN, 0};
       while (::poll(&p, 1, -1) < 0 && errno == EINTR) {
@@ -166,6 +167,10 @@ void kill_self_when_process_exits(pid_t pid) {
     }
     ::kill(::getpid(), SIGKILL);
   }).detach();
+}
+
+void name_this_thread(const char* name) {
+  ::prctl(PR_SET_NAME, name, 0, 0, 0);  // best effort: a name is only a label
 }
 
 size_t page_size() {

@@ -57,6 +57,11 @@ void set_pdeathsig(int sig);
 /// 100 ms. If `pid` is already gone, kills at once.
 void kill_self_when_process_exits(pid_t pid);
 
+/// Names the calling thread (`/proc/self/task/<tid>/comm`, at most 15 characters). Our
+/// helper threads are named "tmx-*": fork-safe by design (at-fork handlers), so the Python
+/// side's fork-after-threads check (processes/forkcheck.py) leaves them out.
+void name_this_thread(const char* name);
+
 /// Size in bytes of a memory page.
 size_t page_size();
 

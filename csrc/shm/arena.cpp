@@ -15,6 +15,7 @@
 #include "common/arith.h"
 #include "common/check.h"
 #include "ipc/fd_server.h"
+#include "platform/process.h"
 #include "shm/sigbus.h"
 #include "shm/unmapper.h"
 
@@ -142,7 +143,10 @@ std::unique_ptr<BlockRef> Arena::allocate(size_t nbytes, bool named) {
   TMX_CHECK(ref != nullptr, "a new segment had no free block");
   if (named && !expiry_running_) {
     expiry_running_ = true;
-    std::thread([this] { expire_named(); }).detach();
+    std::thread([this] {
+      name_this_thread("tmx-expiry");
+      expire_named();
+    }).detach();
   }
   return ref;
 }
@@ -155,7 +159,10 @@ void Arena::request_reclaim_locked() {
     return;
   }
   reclaimer_running_ = true;
-  std::thread([this] { reclaim_loop(); }).detach();
+  std::thread([this] {
+    name_this_thread("tmx-reclaim");
+    reclaim_loop();
+  }).detach();
 }
 
 void Arena::reclaim_loop() {

@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "platform/process.h"
+
 namespace torch_mp_ext {
 
 namespace {
@@ -25,7 +27,10 @@ class Unmapper {
   void push(void* base, size_t size) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!started_) {
-      std::thread([this] { run(); }).detach();
+      std::thread([this] {
+        name_this_thread("tmx-unmapper");
+        run();
+      }).detach();
       started_ = true;
     }
     pending_.emplace_back(base, size);

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
 
 from ..errors import PipelineError, QueueClosedError
 from ..processes.spawn import launch_plan
+from ..sharing import byvalue
 from .links import Stop, Upstream
 from .run import Group, Running, launch, shutdown
 
@@ -284,15 +285,14 @@ class Stage:
         return f"<torch_mp_ext.Stage {self._qualname} buffer_size={self.buffer_size}>"
 
     def __reduce__(self) -> Any:
-        # By reference, as functions are: the module attribute is this object, not its function.
+        # By reference, as functions are: the module attribute is this object, not its
+        # function. A local stage, or one of a __main__ that children cannot import, travels
+        # as its function, which plain pickling refuses and the by-value fallback takes
+        # (Note [By-value fallback] in sharing/byvalue.py).
         found: Any = _find_stage(self._module, self._qualname, check=False)
-        if found is not self:
-            import pickle
-
-            raise pickle.PicklingError(
-                f"stage {self._qualname!r} cannot be sent to a spawn or forkserver process: "
-                f"it is not the top-level name {self._module}.{self._qualname}; define it at "
-                "the top level of a module, or use start_method='fork'")
+        if found is not self or (self._module == "__main__"
+                                 and not byvalue.main_is_importable()):
+            return (Stage, (self.__wrapped_stage__, self.buffer_size, self.start_method))
         return (_find_stage, (self._module, self._qualname))
 
 

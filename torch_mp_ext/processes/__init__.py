@@ -4,7 +4,10 @@
   strategy and whose queues are :mod:`torch_mp_ext.queues`'.
 - :mod:`.forkserver`: the fast forkserver (torch preloaded), behind ``"forkserver"``.
 - :mod:`.dataloader`: DataLoader workers started by our contexts collate into arena blocks.
-- :mod:`.worker`: what runs in each worker before ``fn``; error files; dying with the parent.
+- :mod:`.worker`: what runs in each worker before ``fn``; error and result files; dying with
+  the parent.
+- :mod:`.popen_spawn`: starting a spawn child (also from a script read from stdin).
+- :mod:`.forkcheck`: the warning when a fork leaves other threads behind.
 - :mod:`.exits`: why a process ended, explained.
 - :mod:`.spawn`: ``spawn``/``start_processes``/``ProcessContext`` (torch's algorithm).
 - :mod:`.launch`: local workers ready for ``torch.distributed``.

@@ -59,6 +59,7 @@ from multiprocessing.context import set_spawning_popen
 from typing import Any
 
 from .. import _C
+from . import popen_spawn
 from .process import StrategyCarrier
 
 __all__ = [
@@ -109,7 +110,7 @@ class _Server:
 
     def _start(self) -> int:
         address = os.path.join(util.get_temp_dir(), f"tmx-fs-{os.getpid()}-{secrets.token_hex(4)}")
-        data = spawn.get_preparation_data("ignore")
+        data = popen_spawn.preparation_data("ignore")
         main_spec = {k: v for k, v in data.items() if k.startswith("init_main_from_")}
         if main_spec:  # main runs there with the launcher's argv, as in a spawn worker
             main_spec["sys_argv"] = data["sys_argv"]
@@ -233,12 +234,12 @@ class _Popen(popen_forkserver.Popen):
     DupFd = _DupFd  # type: ignore[assignment]
 
     def _launch(self, process_obj: Any) -> None:
-        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data = popen_spawn.preparation_data(process_obj._name)
         buf = io.BytesIO()
         set_spawning_popen(self)
         try:
             reduction.dump(prep_data, buf)
-            reduction.dump(process_obj, buf)
+            popen_spawn.dump_process(process_obj, buf)
         finally:
             set_spawning_popen(None)
         self.sentinel, w = _server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]

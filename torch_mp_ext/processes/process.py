@@ -19,13 +19,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 from multiprocessing import context as _ctx
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from ..sharing import byvalue, pickling
 from ..sharing import memory as _memory
 from ..sharing import strategy as sharing
-from . import dataloader
+from . import dataloader, forkcheck, popen_spawn
 
 __all__ = ["ForkProcess", "SpawnProcess", "StrategyCarrier"]
 
@@ -50,6 +51,8 @@ class StrategyCarrier:
         global _forking_our_child
         self._tmx_sharing_strategy = sharing.get_sharing_strategy()
         method = getattr(self, "_start_method", None) or multiprocessing.get_start_method()
+        if method == "fork":
+            forkcheck.check()  # Note [Fork after threads]
         _forking_our_child = method == "fork"
         try:
             super().start()  # type: ignore[misc]
@@ -69,11 +72,30 @@ class StrategyCarrier:
             dataloader.install()
         super().run()  # type: ignore[misc]
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        # Note [By-value fallback] (sharing/byvalue.py): what the child runs (target, args,
+        # kwargs) is pickled plainly, as before, unless the probe finds a lambda, a local or
+        # an unimportable __main__ object among them, or a plain attempt failed
+        # (popen_spawn.dump_process): then it travels as one by-value pickle.
+        first = state.pop("_tmx_by_value", None)
+        if _ctx.get_spawning_popen() is not None and "_target" in state:
+            call = (state["_target"], state["_args"], state["_kwargs"])
+            if first is not None or byvalue.probe((call[0], *call[1], *call[2].values())):
+                data = byvalue.by_value(call, first if isinstance(first, BaseException) else None)
+                if data is not None:
+                    del state["_target"], state["_args"], state["_kwargs"]
+                    state["_tmx_call"] = data
+        return state
+
     def __setstate__(self, state: dict) -> None:
+        call = state.pop("_tmx_call", None)
         self.__dict__.update(state)
         strategy = state.get("_tmx_sharing_strategy")
         if strategy is not None and strategy != sharing.get_sharing_strategy():
             sharing.set_sharing_strategy(strategy)
+        if call is not None:  # after the strategy: the arguments' tensors follow it
+            self._target, self._args, self._kwargs = pickling.loads(call)
 
 
 class ForkProcess(StrategyCarrier, _ctx.ForkProcess):
@@ -81,4 +103,6 @@ class ForkProcess(StrategyCarrier, _ctx.ForkProcess):
 
 
 class SpawnProcess(StrategyCarrier, _ctx.SpawnProcess):
-    pass
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:  # noqa: N802 (multiprocessing's name)
+        return popen_spawn.Popen(process_obj)  # Note [A main module read from stdin]

@@ -4,9 +4,11 @@ Adapted from torch/multiprocessing/spawn.py (torch 2.13); changes: the child's e
 object travels with its traceback and becomes the ``__cause__`` of the parent's
 ``ProcessRaisedException``; deaths by signal are explained (an OOM kill, SIGBUS from a full
 ``/dev/shm``, a segfault with the child's stack from ``faulthandler``); every failed process is
-listed, not only the first; error files live in one private directory removed once read
-(torch leaves them in ``/tmp``); children get ``PR_SET_PDEATHSIG(SIGKILL)``, not SIGINT; processes
-already started are killed when a later one fails to start; ``start_method="forkserver"`` uses
+listed, not only the first; ``fn`` takes keyword arguments (``kwargs=``) and its return values
+can be had (``return_values=True``, Note [Return values] in ``worker.py``); error files live
+in one private directory removed once read (torch leaves them in ``/tmp``); children get
+``PR_SET_PDEATHSIG(SIGKILL)``, not SIGINT; processes already started are killed when a later
+one fails to start; ``start_method="forkserver"`` uses
 torch_mp_ext's fast forkserver (torch and ``__main__`` preloaded), workers started in parallel
 unless ``TORCH_MP_PARALLEL_START=0``. The worker side (``wrap``, the error files, Note
 [Children die with their parent]) is in ``worker.py``.
@@ -40,7 +42,14 @@ from ..timeouts import seconds
 from . import exits as _exits
 from . import forkserver as _forkserver
 from .context import default_context
-from .worker import FAULT_SUFFIX, read_error_file, remove_files, wrap
+from .worker import (
+    FAULT_SUFFIX,
+    RESULT_SUFFIX,
+    read_error_file,
+    read_result_file,
+    remove_files,
+    wrap,
+)
 
 ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
 """torch's environment variable: ``0`` starts forkserver workers one after another through
@@ -71,11 +80,16 @@ class ProcessContext:
         processes: as given.
         error_files: as given.
         sentinels: ``Process.sentinel`` -> index, for the processes not yet joined.
+        results: with ``return_values=True``, once :meth:`join` has returned True: what
+            ``fn`` returned in each process, in index order (Note [Return values] in
+            ``worker.py``); None until then, and without ``return_values``.
     """
 
     # Set by start_processes: the OOM counters before start (see processes/exits.py) and the
     # directory holding the error files.
     _oom_before: dict[str, int] | None = None
+    _keep_results = False
+    results: list[Any] | None = None
 
     def __init__(self, processes: list[Any], error_files: list[str]) -> None:
         self.error_files = error_files
@@ -135,7 +149,12 @@ class ProcessContext:
                 break
         if error_index is None:
             if len(self.sentinels) == 0:
-                self._cleanup()
+                try:
+                    if self._keep_results:  # Note [Return values]
+                        self.results = [read_result_file(path + RESULT_SUFFIX)
+                                        for path in self.error_files]
+                finally:
+                    self._cleanup()
                 return True
             return False
         # An error occurred: clean up all processes before raising.
@@ -246,8 +265,11 @@ def start_processes(
     join: bool = True,
     daemon: bool = False,
     start_method: str = "spawn",
-) -> ProcessContext | None:
-    """Starts ``nprocs`` processes running ``fn(i, *args)``, for ``i`` in ``range(nprocs)``.
+    *,
+    kwargs: dict[str, Any] | None = None,
+    return_values: bool = False,
+) -> ProcessContext | list[Any] | None:
+    """Starts ``nprocs`` processes running ``fn(i, *args, **kwargs)``, ``i`` in ``range(nprocs)``.
 
     ``start_method`` is ``"spawn"``, ``"fork"`` or ``"forkserver"``. With ``"forkserver"``
     the workers fork from torch_mp_ext's fast server, which has torch and the main module
@@ -255,19 +277,25 @@ def start_processes(
     after another, as torch does.
 
     Args:
-        fn: the entry point, defined at the top level of a module (it is pickled).
+        fn: the entry point. Pickled for spawn and forkserver: a lambda or a local function
+            is pickled by value (Note [By-value fallback] in ``sharing/byvalue.py``).
         args: passed to ``fn`` after the process index.
         nprocs: how many processes.
         join: join them (and raise if one fails) before returning.
         daemon: the processes' daemon flag.
         start_method: the multiprocessing start method.
+        kwargs: keyword arguments for ``fn``.
+        return_values: keep what ``fn`` returns in each process (Note [Return values]).
 
     Returns:
-        None if ``join``, else the :class:`ProcessContext` to join.
+        If ``join``: None, or with ``return_values`` the list of ``fn``'s return values in
+        index order. Else the :class:`ProcessContext` to join (``results`` once joined).
 
     Raises:
         ProcessRaisedException, ProcessExitedException: see :meth:`ProcessContext.join`.
+        TypeError: ``kwargs`` is not a dict with string keys.
     """
+    kwargs = _check_kwargs(kwargs)
     ctx, parallel, parent = launch_plan(start_method)
     directory = tempfile.mkdtemp(prefix="torch_mp_ext-errors-")
     # Each process is assigned a file to write its exception to: the file existing means fn
@@ -276,8 +304,8 @@ def start_processes(
     oom_before = _exits.oom_kill_counts()
 
     def start_process(i: int) -> Any:
-        process = ctx.Process(target=wrap, args=(fn, i, args, error_files[i], parent),
-                              daemon=daemon)
+        process = ctx.Process(target=wrap, daemon=daemon, args=(
+            fn, i, args, error_files[i], parent, kwargs, bool(return_values)))
         process.start()
         return process
 
@@ -302,12 +330,22 @@ def start_processes(
     context = ProcessContext(processes, error_files)
     context._own_directory(directory)
     context._oom_before = oom_before
+    context._keep_results = bool(return_values)
     if not join:
         return context
     # Loop on join until it returns True or raises an exception.
     while not context.join():
         pass
-    return None
+    return context.results if return_values else None
+
+
+def _check_kwargs(kwargs: Any) -> dict[str, Any] | None:
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"kwargs must be a dict of keyword arguments for fn, got "
+                        f"{type(kwargs).__name__}")
+    return dict(kwargs)
 
 
 def spawn(
@@ -317,24 +355,30 @@ def spawn(
     join: bool = True,
     daemon: bool = False,
     start_method: str = "spawn",
-) -> ProcessContext | None:
-    """Spawns ``nprocs`` fresh interpreters running ``fn(i, *args)``.
+    *,
+    kwargs: dict[str, Any] | None = None,
+    return_values: bool = False,
+) -> ProcessContext | list[Any] | None:
+    """Spawns ``nprocs`` fresh interpreters running ``fn(i, *args, **kwargs)``.
 
     If one of the processes fails, the others are stopped and the failure is raised: the
     child's exception with its traceback (:class:`ProcessRaisedException`), or the exit code
     or signal explained (:class:`ProcessExitedException`).
 
     Args:
-        fn: the entry point, defined at the top level of a module (it is pickled).
+        fn: the entry point (pickled: a lambda or a local function is pickled by value).
         args: passed to ``fn`` after the process index.
         nprocs: how many processes.
         join: join them before returning.
         daemon: the processes' daemon flag.
         start_method: deprecated; always ``"spawn"`` (warns otherwise). Use
             :func:`start_processes` for the others, ``"forkserver"`` for a fast start.
+        kwargs: keyword arguments for ``fn``.
+        return_values: keep what ``fn`` returns in each process.
 
     Returns:
-        None if ``join``, else the :class:`ProcessContext` to join.
+        If ``join``: None, or with ``return_values`` the list of ``fn``'s return values in
+        index order. Else the :class:`ProcessContext` to join (``results`` once joined).
     """
     if start_method != "spawn":
         msg = (
@@ -343,4 +387,5 @@ def spawn(
             " torch.multiprocessing.start_processes(...)"
         )
         warnings.warn(msg, FutureWarning, stacklevel=2)
-    return start_processes(fn, args, nprocs, join, daemon, start_method="spawn")
+    return start_processes(fn, args, nprocs, join, daemon, start_method="spawn", kwargs=kwargs,
+                           return_values=return_values)

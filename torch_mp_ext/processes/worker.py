@@ -4,7 +4,18 @@ Adapted from ``wrap`` in torch/multiprocessing/spawn.py (torch 2.13); changes: t
 parent-death signal is SIGKILL, and a parent that died first is noticed (Note [Children die
 with their parent]); ``faulthandler`` writes a native crash's stack next to the error file;
 the error file holds the exception object (pickled with its traceback, loky's pattern) as well
-as torch's traceback text, and is written atomically.
+as torch's traceback text, and is written atomically; ``fn`` gets keyword arguments too, and
+its return value is kept in a result file when asked (Note [Return values]).
+
+Note [Return values]
+``spawn(..., return_values=True)`` (and ``start_processes``) keeps what ``fn`` returned in a
+file beside the error file, ``<index>.pickle.result``, written atomically after ``fn`` returns;
+``ProcessContext.join`` reads them all once every process has exited successfully
+(``ProcessContext.results``), then removes them with the error files. The value is pickled
+as a plain pickle (tensors by value, since the worker has exited by the time the parent reads
+it), by value where it cannot be by reference (Note [By-value fallback] in
+``sharing/byvalue.py``). A value that cannot be pickled fails the worker as ``fn`` raising
+would. Not asked, nothing is written, and ``fn``'s value is dropped as in torch.
 
 Note [Children die with their parent]
 torch's children ask for SIGINT when their parent dies, which a child can catch (torch's own
@@ -31,10 +42,13 @@ from typing import Any, Callable
 
 from .. import _C
 from ..errors import with_traceback
+from ..sharing import byvalue
 
-__all__ = ["FAULT_SUFFIX", "read_error_file", "remove_files"]
+__all__ = ["FAULT_SUFFIX", "RESULT_SUFFIX", "read_error_file", "read_result_file",
+           "remove_files"]
 
 FAULT_SUFFIX = ".faulthandler"
+RESULT_SUFFIX = ".result"  # Note [Return values]
 _ERROR_FORMAT = "torch_mp_ext-error-1"
 _IS_LINUX = sys.platform.startswith("linux")
 
@@ -62,8 +76,35 @@ def _write_error_file(path: str, exc: Exception) -> None:
     os.replace(tmp, path)  # the parent never reads half a file
 
 
+def _write_result_file(path: str, value: Any) -> None:
+    """Note [Return values]."""
+    try:
+        payload = pickle.dumps(value, byvalue.PROTOCOL)
+    except byvalue.BY_REFERENCE_ERRORS as exc:
+        payload = byvalue.by_value(value, exc)  # type: ignore[assignment]  # or raises
+    except Exception as exc:
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"while pickling the value fn returned (a {type(value).__qualname__}) "
+                         "for return_values=True: return something picklable")
+        raise
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(payload)
+    os.replace(tmp, path)
+
+
+def read_result_file(path: str) -> Any:
+    """The value a worker's ``fn`` returned (Note [Return values]); None if it left none."""
+    try:
+        with open(path, "rb") as fh:
+            return pickle.load(fh)
+    except FileNotFoundError:
+        return None
+
+
 def wrap(fn: Callable[..., Any], i: int, args: tuple, error_file: str,
-          parent: tuple[str, int | None] = ("pdeathsig", None)) -> None:
+         parent: tuple[str, int | None] = ("pdeathsig", None),
+         kwargs: dict[str, Any] | None = None, keep_result: bool = False) -> None:
     die_with_parent(parent)
     try:
         # Kept open until exit: a crash while the interpreter shuts down is reported too.
@@ -75,7 +116,9 @@ def wrap(fn: Callable[..., Any], i: int, args: tuple, error_file: str,
 
         faulthandler.enable(file=fault_file, all_threads=True)
     try:
-        fn(i, *args)
+        value = fn(i, *args, **(kwargs or {}))
+        if keep_result:
+            _write_result_file(error_file + RESULT_SUFFIX, value)
     except KeyboardInterrupt:
         pass  # SIGINT (Ctrl-C reaches the whole process group): exit quietly, as torch does
     except Exception as e:  # noqa: BLE001  (reported through the error file)
@@ -108,7 +151,7 @@ def read_error_file(path: str) -> tuple[str, BaseException | None] | None:
 
 def remove_files(error_files: list[str], directory: str | None) -> None:
     for path in error_files:
-        for name in (path, path + FAULT_SUFFIX):
+        for name in (path, path + FAULT_SUFFIX, path + RESULT_SUFFIX):
             try:
                 os.unlink(name)
             except OSError:

@@ -4,6 +4,7 @@
 - :mod:`.memory`: storages and arrays over arena blocks (the torch/numpy side of ``_C``).
 - :mod:`.arena`: the public allocation API (:func:`empty`, :func:`share_`, ...).
 - :mod:`.pickling`: items as frames whose tensors travel as block handles.
+- :mod:`.byvalue`: what cannot be pickled by reference, pickled by value (cloudpickle).
 
 Pickling of tensors and storages (``reduce_*``/``rebuild_*``) lives in
 :mod:`torch_mp_ext.reductions`, at torch's path, because pickles name it.
@@ -20,6 +21,7 @@ from .arena import (
     zeros,
     zeros_array,
 )
+from .byvalue import get_pickle_by_value, set_pickle_by_value
 from .strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 
 __all__ = [
@@ -28,10 +30,12 @@ __all__ = [
     "empty_cache",
     "empty_like",
     "get_all_sharing_strategies",
+    "get_pickle_by_value",
     "get_sharing_strategy",
     "is_shared",
     "memory_stats",
     "set_sharing_strategy",
+    "set_pickle_by_value",
     "share_",
     "zeros",
     "zeros_array",

@@ -66,6 +66,7 @@ from typing import Any, Callable, List
 
 from .. import _C
 from ..errors import PeerDiedError
+from . import byvalue as _byvalue
 from . import records as _records
 from .strategy import get_sharing_strategy
 
@@ -114,6 +115,9 @@ class _SharedPickler:
 
 
 _shared = _SharedPickler()
+_BY_REFERENCE_ERRORS = _byvalue.BY_REFERENCE_ERRORS
+_modules = sys.modules
+_main_ok: Any = None  # a __main__ children can import, once seen (_by_value_main)
 
 
 def _reset_after_fork() -> None:  # another thread may have held the lock at fork time
@@ -132,7 +136,8 @@ def dumps(obj: Any) -> bytes:
 def dump_item(obj: Any, limit: int) -> Any:
     """``dumps(obj)``, except that a pickle larger than ``limit`` made of several chunks comes
     back as the list of chunks, not joined: :func:`to_block` copies them once (Note [Large
-    items out of line])."""
+    items out of line]). Objects that cannot be pickled by reference are pickled by value
+    (Note [By-value fallback] in ``byvalue.py``)."""
     tp = type(obj)
     if tp in PLAIN_TYPES:  # a plain value, or a small tuple of them: no reducer can apply
         return _plain_dumps(obj, PROTOCOL)
@@ -143,25 +148,53 @@ def dump_item(obj: Any, limit: int) -> Any:
         else:
             return _plain_dumps(obj, PROTOCOL)
     shared = _shared
-    if not shared.lock.acquire(False):
-        parts: List[Any] = []
-        _QueuePickler(_Sink(parts.append), PROTOCOL).dump(obj)
-    else:
-        chunks = shared.chunks
-        try:
-            shared.pickler.dump(obj)
-            if len(chunks) == 1:
-                return chunks[0]
-            parts = chunks[:]
-        finally:
-            chunks.clear()
-            shared.pickler.clear_memo()
-            shared.lock.release()
-    if len(parts) == 1:
-        return parts[0]
-    if sum(len(p) for p in parts) <= limit:
-        return b"".join(parts)
-    return parts
+    try:
+        if not shared.lock.acquire(False):
+            parts: List[Any] = []
+            _QueuePickler(_Sink(parts.append), PROTOCOL).dump(obj)
+            data = None
+        else:
+            chunks = shared.chunks
+            try:
+                shared.pickler.dump(obj)
+                if len(chunks) == 1:
+                    data = chunks[0]
+                else:
+                    data, parts = None, chunks[:]
+            finally:
+                chunks.clear()
+                shared.pickler.clear_memo()
+                shared.lock.release()
+    except _BY_REFERENCE_ERRORS as exc:  # Note [By-value fallback] (byvalue.py)
+        return _byvalue.by_value(obj, exc)
+    if data is None:
+        if len(parts) == 1:
+            data = parts[0]
+        elif sum(len(p) for p in parts) <= limit:
+            data = b"".join(parts)
+        else:
+            data = parts
+    if _modules.get("__main__") is not _main_ok:  # one dict lookup while __main__ is fine
+        again = _by_value_main(obj, data)
+        if again is not None:
+            return again
+    return data
+
+
+def _by_value_main(obj: Any, data: Any) -> bytes | None:
+    """Case 2 of Note [By-value fallback]: ``obj`` pickled by value if its plain pickle
+    ``data`` names a ``__main__`` that children cannot import (``data``'s references are
+    then released), else None. Remembers a ``__main__`` children can import."""
+    global _main_ok
+    if _byvalue.main_is_importable():
+        _main_ok = _modules.get("__main__")
+        return None
+    if not _byvalue.names_main(data):
+        return None
+    again = _byvalue.by_value(obj)
+    if again is not None:
+        release_frame(TAG_PICKLE, data if type(data) is bytes else b"".join(data))
+    return again
 
 
 def _named() -> bool:

@@ -109,9 +109,9 @@ class TaskPool(TaskState, Pump):
             if it raises, the pool stops and its tasks fail with ``PoolClosedError``.
         initargs: arguments for ``initializer``.
 
-    ``fn`` and its arguments must pickle (module-level functions, as for
-    ``multiprocessing.Pool``). Used as a context manager, the pool is shut down (waiting
-    for its tasks) on exit.
+    ``fn`` and its arguments must pickle (lambdas and local functions are pickled by value,
+    Note [By-value fallback] in ``sharing/byvalue.py``). Used as a context manager, the pool
+    is shut down (waiting for its tasks) on exit.
     """
 
     def __init__(self, processes: int | None = None, *, start_method: str | None = None,

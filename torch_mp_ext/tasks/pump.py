@@ -37,6 +37,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..processes.forkcheck import fork_safe
 from . import worker as W
 from .refs import STATE
 
@@ -76,11 +77,12 @@ class Pump:
         self._watcher: threading.Thread | None = None
 
     def _start_threads(self) -> None:
-        self._watcher = threading.Thread(target=self._watch, name="TaskPool-watcher",
-                                         daemon=True)
+        # Fork-safe (Note [Fork after threads]): a fork child never touches the pool's state.
+        self._watcher = fork_safe(threading.Thread(target=self._watch, name="TaskPool-watcher",
+                                                   daemon=True))
         self._watcher.start()
-        self._thread = threading.Thread(target=self._collect, name="TaskPool-collector",
-                                        daemon=True)
+        self._thread = fork_safe(threading.Thread(target=self._collect,
+                                                  name="TaskPool-collector", daemon=True))
         self._thread.start()
 
     # -- waking a blocked reader -----------------------------------------------------------
