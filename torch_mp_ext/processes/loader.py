@@ -132,14 +132,26 @@ class DataLoader(_TorchDataLoader):
         return _WorkerReplacingIter(self)
 
 
-def _index_queue_position() -> int:
+def _worker_loop_kwargs(it: Any, slot: int, index_queue: Any) -> dict[str, Any]:
+    """The arguments torch's constructor gave the worker of ``slot`` (``Process.start``
+    drops its own copy), by the worker loop's parameter names, with a new index queue."""
+    known = {
+        "dataset_kind": it._dataset_kind, "dataset": it._dataset, "index_queue": index_queue,
+        "data_queue": it._worker_result_queue, "done_event": it._workers_done_event,
+        "auto_collation": it._auto_collation, "collate_fn": it._collate_fn,
+        "drop_last": it._drop_last, "base_seed": it._base_seed, "init_fn": it._worker_init_fn,
+        "worker_id": slot, "num_workers": it._num_workers,
+        "persistent_workers": it._persistent_workers, "shared_seed": it._shared_seed,
+    }
     names = list(inspect.signature(_utils.worker._worker_loop).parameters)
-    if "index_queue" not in names:
+    unknown = [name for name in names if name not in known]
+    if unknown:
         raise RuntimeError(
-            "torch's DataLoader worker loop (torch.utils.data._utils.worker._worker_loop) has "
-            f"no index_queue parameter in this torch ({torch.__version__}): torch_mp_ext "
-            "cannot start a replacement worker; use max_worker_restarts=0")
-    return names.index("index_queue")
+            "torch's DataLoader worker loop (torch.utils.data._utils.worker._worker_loop) takes "
+            f"arguments torch_mp_ext does not know in this torch ({torch.__version__}): "
+            f"{', '.join(unknown)}. torch_mp_ext cannot start a replacement worker; use "
+            "max_worker_restarts=0")
+    return {name: known[name] for name in names}
 
 
 class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
@@ -309,9 +321,8 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
     def _tmx_start_worker(self, slot: int, old: Any, owed: list[int]) -> Any:
         index_queue = self._tmx_ctx.Queue()
         index_queue.cancel_join_thread()
-        args = list(old._args)  # the slot's worker id, seeds, dataset and result queue
-        args[_index_queue_position()] = index_queue
-        new = self._tmx_ctx.Process(target=_utils.worker._worker_loop, args=tuple(args))
+        new = self._tmx_ctx.Process(target=_utils.worker._worker_loop,
+                                    kwargs=_worker_loop_kwargs(self, slot, index_queue))
         new.daemon = True
         self._tmx_oom[slot] = exits.oom_kill_counts()
         new.start()

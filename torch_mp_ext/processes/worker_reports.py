@@ -12,6 +12,9 @@ print "ERROR: Unexpected segmentation fault encountered in worker." and die of t
 replacing whatever was there, so ``faulthandler`` must be enabled *after* them: in
 ``worker_init_fn``, which torch calls once its handlers are set. faulthandler's handler then
 runs first, writes the Python stack of every thread, and hands the signal on to torch's.
+A worker forked from a process where faulthandler is on (pytest turns it on) inherits it
+enabled, and ``enable()`` then only changes the file: the worker disables it (which puts back
+what was there before the parent enabled it), reinstalls torch's handlers, and enables it.
 
 Note [Stopping a hung worker for its stack]
 A worker stuck in a dataset's ``__getitem__`` (a dead NFS mount, a deadlock, an endless loop)
@@ -28,6 +31,8 @@ import faulthandler
 import os
 import signal
 from typing import Any, Callable, TextIO
+
+from torch.utils.data._utils import signal_handling
 
 from . import exits
 
@@ -65,6 +70,11 @@ class WorkerStart:
             except OSError:
                 pass  # no stack in the report then; the worker works as before
             else:
+                if faulthandler.is_enabled():
+                    # Inherited through fork: enable() would only change the file, leaving
+                    # torch's handlers in front. Take faulthandler off, put torch's back.
+                    faulthandler.disable()
+                    signal_handling._set_worker_signal_handlers()
                 faulthandler.enable(file=_fault_file, all_threads=True)
         if self.fn is not None:
             self.fn(worker_id)
