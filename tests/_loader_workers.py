@@ -24,9 +24,9 @@ def _first_time(flag: str | None) -> bool:
 
 
 def _bus_error_on_full_dev_shm() -> None:
-    """Writes a sparse /dev/shm file page by page past what the tmpfs holds: SIGBUS."""
+    """Writes a sparse /dev/shm file page by page past what the tmpfs holds: SIGBUS. The
+    file stays (a full /dev/shm, as in a container): only call it on a private tmpfs."""
     fd = os.open(f"/dev/shm/tmx-loader-test-{os.getpid()}", os.O_CREAT | os.O_RDWR, 0o600)
-    os.unlink(f"/dev/shm/tmx-loader-test-{os.getpid()}")
     size = 64 << 20
     os.ftruncate(fd, size)
     m = mmap.mmap(fd, size)
