@@ -281,6 +281,23 @@ def test_workers_start_from_our_contexts():
     assert isinstance(mp.DataLoader(lw.Numbers()), torch.utils.data.DataLoader)
 
 
+def test_a_replacement_gets_every_argument_of_torchs_worker_loop():
+    """A torch that adds a parameter to its worker loop fails here, in the fast tier."""
+    import inspect
+
+    from torch.utils.data._utils.worker import _worker_loop
+
+    from torch_mp_ext.processes import loader as loader_module
+
+    it = iter(_loader("fork", lw.Numbers()))
+    kwargs = loader_module._worker_loop_kwargs(it, 1, it._index_queues[1])
+    assert list(kwargs) == list(inspect.signature(_worker_loop).parameters)
+    assert kwargs["worker_id"] == 1 and kwargs["base_seed"] == it._base_seed
+    assert kwargs["init_fn"] is it._worker_init_fn
+    del it, kwargs
+    _released()
+
+
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_undisturbed_epochs_are_torchs(method):
     loader = _loader(method, lw.Numbers(), max_worker_restarts=2, persistent_workers=True)
