@@ -74,3 +74,8 @@ def sleep_the_first_time(flag, seconds):
         flag[0] = os.getpid()
         time.sleep(seconds)
     return "done"
+
+
+def crash_in_native_code():
+    """A TaskPool task that segfaults (a ctypes read of address 0)."""
+    ctypes.string_at(0)

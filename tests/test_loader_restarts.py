@@ -36,7 +36,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 
 METHODS = ["fork", "spawn", "forkserver"]
 T = 60.0  # seconds: the most any single wait in these tests may take
-HANG_TIMEOUT = 12  # the loaders' `timeout`: covers a spawn worker's start on a loaded machine
+# The loaders' `timeout` in the hang tests: it must cover a worker's start (a spawn worker
+# imports torch afresh: 10 s and more on 2 loaded CPUs) and its first batch.
+HANG_TIMEOUT = {"fork": 12, "forkserver": 12, "spawn": 30}
 EXPECTED = [torch.tensor([[i, i * i] for i in range(b, b + 4)], dtype=torch.float64)
             for b in range(0, 48, 4)]  # Numbers() in batches of 4, undisturbed
 
@@ -122,7 +124,7 @@ def test_an_epoch_survives_a_hung_worker(method, persistent, tmp_path):
     # Sample 22 is in batch 5, worker 2's; it hangs the first time only.
     dataset = lw.Numbers(at=22, how="hang", flag=str(tmp_path / "hung"))
     loader = _loader(method, dataset, max_worker_restarts=3, persistent_workers=persistent,
-                     timeout=HANG_TIMEOUT)
+                     timeout=HANG_TIMEOUT[method])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         epochs = [list(loader)]
@@ -131,7 +133,7 @@ def test_an_epoch_survives_a_hung_worker(method, persistent, tmp_path):
     for batches in epochs:
         _assert_undisturbed(batches)
     (message,) = _restart_warnings(caught)
-    assert message.startswith(f"DataLoader timed out after {HANG_TIMEOUT} seconds\n")
+    assert message.startswith(f"DataLoader timed out after {HANG_TIMEOUT[method]} seconds\n")
     assert "DataLoader worker 2 (pid " in message and "made no progress" in message
     assert "in __getitem__" in message  # its stack, from faulthandler
     del loader, epochs, batches
@@ -214,7 +216,6 @@ def test_a_bus_error_on_a_full_dev_shm_names_it():
         sys.path.insert(0, "tests")
         import torch_mp_ext as mp
         import _loader_workers as lw
-import conftest
         loader = mp.DataLoader(lw.Numbers(at=5, how="bus", every_time=True), batch_size=4,
                                num_workers=1, multiprocessing_context="fork", timeout=60)
         try:
@@ -356,3 +357,14 @@ def test_a_task_killed_from_outside_runs_again_or_names_the_cause(retries):
             with pytest.raises(WorkerDiedError, match="terminated with signal SIGKILL") as info:
                 ref.get(timeout=T)
             assert "SIGKILL came from outside torch_mp_ext" in str(info.value)
+
+
+def test_a_task_whose_worker_segfaults_names_it_with_the_stack():
+    with mp.TaskPool(1, start_method="fork") as pool:
+        with pytest.raises(WorkerDiedError, match="terminated with signal SIGSEGV") as info:
+            pool.submit(lw.crash_in_native_code).get(timeout=T)
+        message = str(info.value)
+        assert "A segmentation fault" in message
+        assert "Stack of the crashed process (faulthandler)" in message
+        assert "in crash_in_native_code" in message
+        del info

@@ -36,7 +36,8 @@ from torch.utils.data._utils import signal_handling
 
 from . import exits
 
-__all__ = ["WorkerStart", "explain_death", "fault_path", "hang_report", "stop_hung"]
+__all__ = ["WorkerStart", "enable_fault_file", "explain_death", "fault_path", "hang_report",
+           "read_fault_file", "stop_hung"]
 
 #: Seconds a hung worker gets to write its stack and die of SIGABRT before SIGKILL.
 STOP_GRACE_S = 5.0
@@ -63,24 +64,39 @@ class WorkerStart:
         self.directory = directory
 
     def __call__(self, worker_id: int) -> None:
-        global _fault_file
-        if _fault_file is None:
-            try:
-                _fault_file = open(fault_path(self.directory, os.getpid()), "w")  # noqa: SIM115
-            except OSError:
-                pass  # no stack in the report then; the worker works as before
-            else:
-                if faulthandler.is_enabled():
-                    # Inherited through fork: enable() would only change the file, leaving
-                    # torch's handlers in front. Take faulthandler off, put torch's back.
-                    faulthandler.disable()
-                    signal_handling._set_worker_signal_handlers()
-                faulthandler.enable(file=_fault_file, all_threads=True)
+        enable_fault_file(self.directory, torch_handlers=True)
         if self.fn is not None:
             self.fn(worker_id)
 
 
-def _read_and_remove(path: str) -> str:
+def enable_fault_file(directory: str, *, torch_handlers: bool = False) -> None:
+    """Points this process's ``faulthandler`` at :func:`fault_path` (once per process).
+
+    Args:
+        directory: the main process's directory for its workers' stacks.
+        torch_handlers: this is a DataLoader worker whose loop installed torch's fatal-signal
+            handlers (Note [A DataLoader worker's crash stack]).
+    """
+    global _fault_file
+    if _fault_file is not None:
+        return
+    try:
+        _fault_file = open(fault_path(directory, os.getpid()), "w")  # noqa: SIM115
+    except OSError:
+        return  # no stack in the report then; the worker works as before
+    if faulthandler.is_enabled():
+        # Inherited through fork: enable() would only change the file, leaving whatever
+        # handler came later in front. Take faulthandler off (this puts back what was there
+        # before the parent enabled it), put torch's handlers back, enable it on top.
+        faulthandler.disable()
+        if torch_handlers:
+            signal_handling._set_worker_signal_handlers()
+    faulthandler.enable(file=_fault_file, all_threads=True)
+
+
+def read_fault_file(path: str) -> str:
+    """The stack a worker's faulthandler wrote (:func:`.exits.read_fault_file`); the file
+    is removed."""
     text = exits.read_fault_file(path)
     try:
         os.unlink(path)
@@ -104,7 +120,7 @@ def explain_death(pid: int | None, exit_code: int | None, path: str,
         signal: Killed."), then the cause (:func:`.exits.explain_exit`); ``reason`` as
         :class:`~torch_mp_ext.errors.ProcessFailure`'s.
     """
-    fault = _read_and_remove(path)
+    fault = read_fault_file(path)
     code = -signal.SIGKILL if exit_code is None else exit_code
     if code >= 0:
         stack = f"\nStack of the crashed process (faulthandler):\n{fault}" if fault else ""
@@ -130,7 +146,7 @@ def stop_hung(process: Any, path: str) -> str:
     if process.exitcode is None:
         process.kill()
         process.join()
-    lines = _read_and_remove(path).splitlines()
+    lines = read_fault_file(path).splitlines()
     while lines and (lines[0].startswith("Fatal Python error") or not lines[0].strip()):
         lines.pop(0)  # faulthandler's header for the SIGABRT we sent
     return "\n".join(lines)
