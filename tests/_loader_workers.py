@@ -79,3 +79,10 @@ def sleep_the_first_time(flag, seconds):
 def crash_in_native_code():
     """A TaskPool task that segfaults (a ctypes read of address 0)."""
     ctypes.string_at(0)
+
+
+def crash_on(x, bad=3):
+    """A per-item pipeline stage that segfaults on item ``bad``."""
+    if x == bad:
+        ctypes.string_at(0)
+    return x

@@ -368,3 +368,17 @@ def test_a_task_whose_worker_segfaults_names_it_with_the_stack():
         assert "Stack of the crashed process (faulthandler)" in message
         assert "in crash_in_native_code" in message
         del info
+
+
+def test_a_pipeline_stage_that_segfaults_is_named_with_its_stack():
+    from torch_mp_ext.errors import PipelineError
+
+    p = mp.pipeline(range(8), lw.crash_on, start_method="fork")
+    with pytest.raises(PipelineError, match="SIGSEGV") as info:
+        for _ in p:
+            pass
+    message = str(info.value)
+    assert "A segmentation fault" in message
+    assert "Stack of the crashed process (faulthandler)" in message
+    assert "in crash_on" in message
+    del info, p
