@@ -21,6 +21,12 @@ that in them): on a machine with few cores, the main process's idle OpenMP threa
 spin after each reduction and take the CPU from the workers (Note [Idle OpenMP threads spin] in
 ``torch_mp_ext_demo/handoff_worker.py``), which measures the machine's oversubscription, not
 the loader. ``--main-threads`` changes it.
+
+``--loader torch_mp_ext`` makes the "ours" column ``torch_mp_ext.DataLoader(...,
+max_worker_restarts=N)`` (issue 29: the bookkeeping that lets a dead worker's batches be made
+again) instead of torch's class with our context; nothing dies in the benchmark, so its
+ratios should match the default ``--loader torch`` run's (the A/B of "no cost when nothing
+dies").
 """
 
 from __future__ import annotations
@@ -102,13 +108,18 @@ class MemorySampler(threading.Thread):
 
 
 def run_once(context: str, method: str, row: str, n_batches: int,
-             workers: int) -> Tuple[float, float, float]:
-    """(batches/s, peak PSS MiB, peak Shmem growth MiB) of one loader over ``n_batches``."""
+             workers: int, restarts: Optional[int] = None) -> Tuple[float, float, float]:
+    """(batches/s, peak PSS MiB, peak Shmem growth MiB) of one loader over ``n_batches``;
+    ``restarts``: ours is ``torch_mp_ext.DataLoader(max_worker_restarts=restarts)``."""
     _, shape, dtype, batch_size = ROWS[row]
     ctx = (multiprocessing.get_context(method) if context == "default"
            else torch_mp_ext.get_context(method))
-    loader = DataLoader(Samples(n_batches * batch_size, shape, dtype), batch_size=batch_size,
-                        num_workers=workers, multiprocessing_context=ctx, timeout=300)
+    extra = {}
+    cls = DataLoader
+    if context != "default" and restarts is not None:
+        cls, extra = torch_mp_ext.DataLoader, {"max_worker_restarts": restarts}
+    loader = cls(Samples(n_batches * batch_size, shape, dtype), batch_size=batch_size,
+                 num_workers=workers, multiprocessing_context=ctx, timeout=300, **extra)
     it = iter(loader)
     for _ in range(workers):  # batch i comes from worker i: every worker is up
         next(it)
@@ -138,8 +149,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--main-threads", type=int, default=1,
                         help="torch intra-op threads of the main process")
+    parser.add_argument("--loader", choices=("torch", "torch_mp_ext"), default="torch",
+                        help="the class of the torch_mp_ext column's loader")
+    parser.add_argument("--max-worker-restarts", type=int, default=3,
+                        help="with --loader torch_mp_ext")
     bench_json.add_argument(parser)
     args = parser.parse_args(argv)
+    restarts = args.max_worker_restarts if args.loader == "torch_mp_ext" else None
     torch.set_num_threads(args.main_threads)
     methods, rows = args.methods.split(","), args.rows.split(",")
     results: Dict[tuple, List[Tuple[float, float, float]]] = {}
@@ -149,7 +165,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             for method in methods:
                 for context in ("default", "torch_mp_ext"):
                     results.setdefault((row, method, context), []).append(
-                        run_once(context, method, row, n, args.workers))
+                        run_once(context, method, row, n, args.workers, restarts))
     print("| samples, batch | start | default batches/s | torch_mp_ext batches/s | ratio "
           "| peak PSS default / ours | peak shmem default / ours |")
     print("|---|---|---|---|---|---|---|")
@@ -165,7 +181,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"| {max(r[2] for r in base):.0f} / {max(r[2] for r in ours):.0f} MiB |")
     print()
     print(f"DataLoader, {args.workers} workers, prefetch_factor 2, main loop reads each batch "
-          f"({args.main_threads} main thread(s)); median of {args.rounds} interleaved rounds "
+          f"({args.main_threads} main thread(s)); ours: {args.loader}'s DataLoader"
+          + (f" (max_worker_restarts={restarts})" if restarts is not None else "")
+          + f"; median of {args.rounds} interleaved rounds "
           f"({args.batches_a} batches per run for (a), {args.batches_b} for (b)); peaks are "
           f"the maxima over rounds; torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f} at the end")

@@ -61,9 +61,11 @@ from .spawn import (
 # binds them to its own): mp.Process, mp.Queue, mp.get_context(...), ...
 globals().update((name, getattr(_default_context, name)) for name in _stdlib_mp.__all__)
 
-# Tasks (docs/tasks.md): attributes, not in __all__, which stays torch.multiprocessing's.
-# Datasets without copy-on-read (docs/datasets.md): attributes, not in __all__, likewise.
+# Tasks (docs/tasks.md), the DataLoader that replaces dead workers (docs/dataloader.md) and
+# datasets without copy-on-read (docs/datasets.md): attributes, not in __all__, which stays
+# torch.multiprocessing's.
 from .data import SharedDict, SharedList, share_dataset
+from .processes.loader import DataLoader
 from .tasks.pool import TaskPool
 from .tasks.refs import Ref, RefGenerator, get, wait
 

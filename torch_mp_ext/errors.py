@@ -32,6 +32,8 @@ __all__ = [
     "ChannelClosedError",
     "CudaSharingWarning",
     "ForkAfterThreadsWarning",
+    "DataLoaderWorkerError",
+    "WorkerRestartWarning",
     "QueueClosedError",
     "PipelineError",
     "TaskError",
@@ -199,6 +201,47 @@ class GetTimeoutError(TaskError, TimeoutError):
 class PoolClosedError(TaskError, RuntimeError):
     """``submit`` on a :class:`~torch_mp_ext.TaskPool` that was shut down, or a task that the
     shutdown stopped before it ran."""
+
+
+class DataLoaderWorkerError(TorchMPExtError, RuntimeError):
+    """A worker of a :class:`~torch_mp_ext.DataLoader` died or hung, and was not replaced.
+
+    The message starts with torch's own words (``DataLoader worker (pid 123) is killed by
+    signal: Killed.``, ``DataLoader timed out after 10 seconds``), then says why: the OOM
+    killer's counters, a full ``/dev/shm``, the crash stack, or the stack of a hung worker.
+    A ``RuntimeError``, as torch's.
+
+    Attributes:
+        worker_id: the worker's index (``get_worker_info().id`` in it).
+        pid: its pid.
+        exit_code: ``Process.exitcode`` (negative: the signal), or None if it hung.
+        signal_name: the signal's name (``"SIGKILL"``) when a signal ended it, else None.
+        reason: one word, as :class:`ProcessFailure`'s, or ``"hung"``.
+    """
+
+    def __init__(self, message: str, *, worker_id: int = 0, pid: int | None = None,
+                 exit_code: int | None = None, signal_name: str | None = None,
+                 reason: str = "") -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.pid = pid
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild_loader_error, (self.args[0] if self.args else "", self.__dict__))
+
+
+def _rebuild_loader_error(message: str, state: dict) -> DataLoaderWorkerError:
+    err = DataLoaderWorkerError(message)
+    err.__dict__.update(state)
+    return err
+
+
+class WorkerRestartWarning(RuntimeWarning):
+    """A :class:`~torch_mp_ext.DataLoader` worker died or hung and was replaced
+    (``max_worker_restarts``); the message names the cause, and the epoch goes on."""
 
 
 class CudaSharingWarning(RuntimeWarning):

@@ -13,14 +13,18 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
+import weakref
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
 from ..errors import PipelineError
 from ..processes import exits as _exits
+from ..processes.worker_reports import fault_path, read_fault_file
 from ..queues.ring_queue import Queue
 from ..sharing.arena import zeros_array
 from .links import POLL_S, Inlet, Outlet, Role, Stop, discard
@@ -48,6 +52,8 @@ class Running:
         self.thread: Optional[threading.Thread] = None
         self.inlet: Optional[Inlet] = None
         self.oom_before = _exits.oom_kill_counts()
+        self.fault_dir = tempfile.mkdtemp(prefix="torch_mp_ext-pipeline-")  # crash stacks
+        weakref.finalize(self, shutil.rmtree, self.fault_dir, True)
         self.closed = False
 
     def check(self) -> None:
@@ -66,7 +72,9 @@ class Running:
                 break
         dead.sort(key=lambda d: d[3] >= 0)
         for process, role, slot, code in dead[:1]:
-            reason, explanation = _exits.explain_exit(code, oom_before=self.oom_before)
+            fault = read_fault_file(fault_path(self.fault_dir, process.pid))
+            reason, explanation = _exits.explain_exit(code, oom_before=self.oom_before,
+                                                      fault_text=fault)
             if code == 0 or (self.control[slot] == NEW and code > 0):
                 explanation = (
                     "It exited before the end of its stream. "
@@ -204,7 +212,8 @@ def launch(state: Running, groups: List[Group], ordered: bool, ctx: Any, parent:
             role = Role(name, position, worker, count)
             index = (worker, count) if ordered or count == 1 else None
             task = Task(role, kind, fn, readers[position - 1][worker] if position else None,
-                        writers[position][worker], control, slot, parent, signals, index)
+                        writers[position][worker], control, slot, parent, signals, index,
+                        state.fault_dir)
             process = ctx.Process(target=run, args=(task,), daemon=False,
                                   name=f"torch_mp_ext-pipeline-{position}-{worker}")
             try:

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 
 from ..processes.worker import die_with_parent
+from ..processes.worker_reports import enable_fault_file
 from ..sharing.memory import numpy_in_blocks
 from .links import Failure, Inlet, Outlet, Role, Stop, Upstream
 
@@ -77,15 +78,18 @@ class Task:
         signals: the pipeline's ``(events, exits)`` queues (Note [Stage process lifecycle]).
         index: ``(first, step)`` of the stream positions of the items it receives, when
             known (ordered per-item stages), for error messages.
+        fault_dir: where a native crash's stack goes (``processes.worker_reports``).
     """
 
     def __init__(self, role: Role, kind: str, fn: Callable[..., Any], inputs: Any,
                  outputs: Any, control: np.ndarray, slot: int, parent: tuple,
-                 signals: tuple, index: Optional[tuple] = None) -> None:
+                 signals: tuple, index: Optional[tuple] = None,
+                 fault_dir: Optional[str] = None) -> None:
         self.role, self.kind, self.fn = role, kind, fn
         self.inputs, self.outputs = inputs, outputs
         self.control, self.slot, self.parent, self.index = control, slot, parent, index
         self.signals = signals
+        self.fault_dir = fault_dir
 
 
 def _items(n: int) -> str:
@@ -159,6 +163,8 @@ def run(task: Task) -> None:
     """A stage process's entry point (Note [Stage process lifecycle])."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(task.parent)
+    if task.fault_dir is not None:
+        enable_fault_file(task.fault_dir)
     gc.freeze()  # Note [Stage processes freeze the heap they start with]
     if _SHARE_NUMPY:
         numpy_in_blocks(True)  # Note [Stage arrays are handed over]

@@ -4,6 +4,8 @@
   strategy and whose queues are :mod:`torch_mp_ext.queues`'.
 - :mod:`.forkserver`: the fast forkserver (torch preloaded), behind ``"forkserver"``.
 - :mod:`.dataloader`: DataLoader workers started by our contexts collate into arena blocks.
+- :mod:`.loader`: ``torch_mp_ext.DataLoader``, which says why a worker died and may
+  replace it (``max_worker_restarts``); :mod:`.worker_reports`: those reports.
 - :mod:`.worker`: what runs in each worker before ``fn``; error and result files; dying with
   the parent.
 - :mod:`.popen_spawn`: starting a spawn child (also from a script read from stdin).

@@ -25,6 +25,7 @@ __all__ = [
     "Process",
     "SpawnContext",
     "default_context",
+    "is_ours",
 ]
 
 
@@ -101,6 +102,11 @@ def _concrete(method: str) -> Any:
         raise ValueError(f"cannot find context for {method!r}") from None
     ctx._check_available()  # type: ignore[attr-defined]
     return ctx
+
+
+def is_ours(ctx: Any) -> bool:
+    """True if ``ctx`` is one of torch_mp_ext's concrete contexts (``get_context(m)``)."""
+    return isinstance(ctx, _Context)
 
 
 class DefaultContext(_ctx.BaseContext):

@@ -51,6 +51,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import weakref
@@ -131,6 +133,8 @@ class TaskPool(TaskState, Pump):
         self._broken: str | None = None
         self._wids = itertools.count()
         self._oom_before = _exits.oom_kill_counts()
+        self._fault_dir = tempfile.mkdtemp(prefix="torch_mp_ext-pool-")  # crash stacks
+        weakref.finalize(self, shutil.rmtree, self._fault_dir, True)
         self._stopped = False
         self._owed_workers = 0  # replacements of dead workers not started yet
         self._init_pump()
@@ -305,7 +309,8 @@ class TaskPool(TaskState, Pump):
         parent = launch_plan(self._ctx.get_start_method())[2]
         process = self._ctx.Process(
             target=W.main, args=(wid, tasks, self._results, *self._init),
-            kwargs={"parent": parent}, name=f"TaskPool-worker-{wid}", daemon=True)
+            kwargs={"parent": parent, "fault_dir": self._fault_dir},
+            name=f"TaskPool-worker-{wid}", daemon=True)
         try:
             process.start()
         except BaseException:

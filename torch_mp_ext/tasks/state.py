@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from ..errors import PoolClosedError, WorkerDiedError
 from ..processes import exits as _exits
+from ..processes.worker_reports import fault_path, read_fault_file
 from ..queues.ring_queue import Queue
 from . import worker as W
 from .refs import Entry, Ref, RefGenerator
@@ -120,12 +121,14 @@ class TaskState:
     _idle: deque[int]
     _ready: deque[Task]
     _oom_before: dict[str, int]
+    _fault_dir: str  # Note [A DataLoader worker's crash stack]'s files, for the pool's workers
     _wake: Callable[[], None]  # Pump's (tasks/pump.py)
     _owed_workers: int
 
     def _on_death(self, w: Worker) -> None:
         w.process.join(1.0)
         code = w.process.exitcode
+        fault = read_fault_file(fault_path(self._fault_dir, w.pid))  # removes it
         del self._workers[w.wid]
         if w.wid in self._idle:
             self._idle.remove(w.wid)
@@ -139,7 +142,8 @@ class TaskState:
                 self._ready.appendleft(task)
             else:
                 reason, why = _exits.explain_exit(code if code is not None else -9,
-                                                  oom_before=self._oom_before)
+                                                  oom_before=self._oom_before,
+                                                  fault_text=fault)
                 self._end(task, error_value(WorkerDiedError(
                     f"worker {w.wid} (pid {w.pid}) of the TaskPool "
                     f"{_exits.summarize(reason, code)} while running task {task.tid} "

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from ..errors import ReturnCountError
 from ..processes.worker import die_with_parent
+from ..processes.worker_reports import enable_fault_file
 from .refs import Ref
 from .values import Value, discard, encode, encode_error
 
@@ -43,10 +44,14 @@ FLAG_OK, FLAG_CANCELLED = 0, 1
 
 
 def main(wid: int, tasks: Any, results: Any, initializer: Callable[..., Any] | None,
-         initargs: tuple, parent: tuple[str, int | None] = ("pdeathsig", None)) -> None:
+         initargs: tuple, parent: tuple[str, int | None] = ("pdeathsig", None),
+         fault_dir: str | None = None) -> None:
     """The worker process's target; ``parent`` says how it dies with the pool's process
-    (Note [Children die with their parent] in ``processes/worker.py``)."""
+    (Note [Children die with their parent] in ``processes/worker.py``); a native crash's
+    stack goes to a file in ``fault_dir``, for the pool's ``WorkerDiedError``."""
     die_with_parent(parent)
+    if fault_dir is not None:
+        enable_fault_file(fault_dir)
     if initializer is not None:
         try:
             initializer(*initargs)
