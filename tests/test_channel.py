@@ -263,6 +263,7 @@ def test_a_writer_sigkilled_mid_publish_leaves_the_last_version_readable():
     assert r["after_version"] == r["after_value"] == r["latest"] + 1
 
 
+@pytest.mark.slow  # 4 s
 def test_a_reader_sigkilled_mid_read_disturbs_nobody():
     r = _scenario("reader_killed")
     assert r["killed_while_pinned"]

@@ -182,7 +182,8 @@ def test_a_worker_exception_gives_torchs_error(method):
     del info, loader, seen
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [  # forkserver: 5 s (its workers are not our children)
+    m if m != "forkserver" else pytest.param(m, marks=pytest.mark.slow) for m in METHODS])
 def test_a_killed_worker_gives_torchs_error(method):
     # No loader timeout: torch then checks its workers every 5 s (MP_STATUS_CHECK_INTERVAL).
     loader = DataLoader(Rich(), batch_size=1, num_workers=2,

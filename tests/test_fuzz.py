@@ -285,6 +285,7 @@ test_fuzz_rings, test_fuzz_rings_long = short_and_long(RING_CASES)
 test_fuzz_public_arguments, test_fuzz_public_arguments_long = short_and_long(CALL_CASES)
 
 
+@pytest.mark.slow  # waits out a hang on purpose: 4 s
 def test_harness_reports_a_crash_and_a_hang(worker: Worker, monkeypatch: Any) -> None:
     """The suite would see a crash: a worker killed by a signal, or hung, fails the test."""
     with pytest.raises(pytest.fail.Exception, match="SIGSEGV"):

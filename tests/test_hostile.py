@@ -465,6 +465,7 @@ def _lock_ring_and_stop(q, ready) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+@pytest.mark.slow  # a peer stopped with the lock held, waited on for seconds: 4 s
 def test_a_stopped_peer_holding_the_lock_does_not_freeze_the_interpreter():
     import multiprocessing
     import signal

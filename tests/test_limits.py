@@ -65,6 +65,7 @@ def _ok(out: subprocess.CompletedProcess) -> None:
 # ---- D1: a full /dev/shm ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # two interpreters on a full private /dev/shm: 4 s
 @needs_unshare
 def test_full_dev_shm_imports_and_file_descriptor_works():
     _ok(_on_full_dev_shm(f"{sys.executable} {WORKERS} full_dev_shm"))

@@ -458,6 +458,7 @@ def _wakeups(pid: int) -> int:
     return total
 
 
+@pytest.mark.slow  # measures 5 s of blocking on purpose
 def test_stages_blocked_on_a_consumer_that_stopped_reading_cost_no_cpu():
     """Issue 26: producers polled ``full()`` with millisecond sleeps; four stage processes
     blocked on a consumer that stopped reading burned 12-23 % CPU each (about 1 % on the
