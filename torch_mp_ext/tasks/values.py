@@ -17,7 +17,10 @@ of ``_wire``), and ``_wire`` is one of ``release_frame``'s ``DROPPERS``: a frame
 (a pool terminated with a task in a worker's queue, items nobody will read when the result
 queue closes) releases, through ``release_frame`` alone, every reference of every wire in
 it, nested ones and boxes included. ``discard`` is that same dropper, for a wire already
-read out of its frame.
+read out of its frame. A wire that holds no reference (an inline pickle without a handle in
+it: the usual small value) stays a plain tuple: dropping it has nothing to release, and it
+costs neither a ``__reduce__`` call to pickle nor a global lookup to unpickle (a Wire made
+streaming ints 1.7x slower per item).
 
 Note [Every Ref copy holds its value]
 Each handle inside a pickle carries one counted reference (Note [Block lifetime] in
@@ -151,12 +154,12 @@ class Value:
         data, box = _collect_wire(wire, blocks)
         return cls(wire[0], data, box, blocks)
 
-    def to_wire(self) -> Wire:
+    def to_wire(self) -> Wire | tuple:
         """A wire copy carrying references of its own."""
         for block in self.blocks:
             block.share()
-        if self.box is None:
-            return Wire((self.kind, self.data))
+        if self.box is None:  # Note [Dropped wires]: plain when it holds no reference
+            return Wire((self.kind, self.data)) if self.blocks else (self.kind, self.data)
         return Wire((self.kind, (self.box.share(), len(self.data))))
 
     def load(self) -> Any:
@@ -178,11 +181,11 @@ class Value:
         raise exc
 
 
-def encode(obj: Any, kind: int = VALUE) -> Wire:
+def encode(obj: Any, kind: int = VALUE) -> Wire | tuple:
     """Pickles ``obj`` as a wire value; a large pickle goes into a box."""
     data = dumps(obj)
-    if len(data) <= INLINE_MAX:
-        return Wire((kind, data))
+    if len(data) <= INLINE_MAX:  # Note [Dropped wires]: plain when it holds no reference
+        return Wire((kind, data)) if _MARK in data else (kind, data)
     box = _C.allocate(len(data))
     memoryview(box)[: len(data)] = data
     return Wire((kind, (box.share(), len(data))))
