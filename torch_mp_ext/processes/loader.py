@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 import multiprocessing.connection
 import queue
+import re
 import shutil
 import tempfile
 import time
@@ -52,6 +53,9 @@ from torch.utils.data.dataloader import _DatasetKind, _MultiProcessingDataLoader
 from ..errors import DataLoaderWorkerError, WorkerRestartWarning
 from . import exits, worker_reports
 from .context import default_context, is_ours
+
+# The pid in the error of a handle whose sender has exited (csrc/ipc/fd_server.cpp).
+_SENDER = re.compile(r"\(pid (\d+)\) has exited before this process received")
 
 __all__ = ["DataLoader"]
 
@@ -169,6 +173,7 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
             _utils.signal_handling._remove_worker_pids(id(self))
             self._worker_pids_set = False
         self._tmx_oom = [oom] * self._num_workers
+        self._tmx_gone: set[int] = set()  # pids of the workers replaced so far
 
     # torch's constructor passes this to every worker: ours wraps the user's function.
     @property
@@ -210,14 +215,18 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
             return True, self._data_queue.get(timeout=timeout)
         except queue.Empty:
             pass
-        except OSError:
+        except OSError as exc:
             # A result whose sender died with its shared memory (Note [Replacing a
-            # DataLoader worker]): dropped, its task is still owed. The death may not be
+            # DataLoader worker]): dropped, its task is still owed. Its sender may have been
+            # replaced already (its result was still in the queue); else its death may not be
             # visible yet (a forkserver worker is reaped by the server): wait for it.
-            sentinels = [w.sentinel for slot, w in enumerate(self._workers)
-                         if self._workers_status[slot]]
-            if not multiprocessing.connection.wait(sentinels, _utils.MP_STATUS_CHECK_INTERVAL):
-                raise
+            sender = _SENDER.search(str(exc))
+            if sender is None or int(sender.group(1)) not in self._tmx_gone:
+                sentinels = [w.sentinel for slot, w in enumerate(self._workers)
+                             if self._workers_status[slot]]
+                if not multiprocessing.connection.wait(sentinels,
+                                                       _utils.MP_STATUS_CHECK_INTERVAL):
+                    raise
         for slot in self._tmx_dead_slots():
             self._tmx_replace(slot, hung=False)
         return False, None
@@ -311,6 +320,7 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
                 message, worker_id=slot, pid=old.pid, exit_code=code, reason=reason,
                 signal_name=exits.signal_name(-code) if code is not None and code < 0 else None)
         self._tmx_restarts += 1
+        self._tmx_gone.add(old.pid)
         new = self._tmx_start_worker(slot, old, owed)
         warnings.warn(
             f"{message}\ntorch_mp_ext replaced DataLoader worker {slot} (new pid {new.pid}, "
