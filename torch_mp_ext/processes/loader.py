@@ -141,6 +141,8 @@ def _worker_loop_kwargs(it: Any, slot: int, index_queue: Any) -> dict[str, Any]:
     drops its own copy), by the worker loop's parameter names, with a new index queue."""
     known = {
         "dataset_kind": it._dataset_kind, "dataset": it._dataset, "index_queue": index_queue,
+        # torch >= 2.14: a list the worker empties, so its Process does not keep the dataset
+        "dataset_holder": [it._dataset],
         "data_queue": it._worker_result_queue, "done_event": it._workers_done_event,
         "auto_collation": it._auto_collation, "collate_fn": it._collate_fn,
         "drop_last": it._drop_last, "base_seed": it._base_seed, "init_fn": it._worker_init_fn,
