@@ -30,6 +30,7 @@ and kills the leftover processes (and theirs) so the next test starts clean.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import multiprocessing
@@ -359,3 +360,42 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         faulthandler.cancel_dump_traceback_later()
         _backstop.disarm()
+
+
+@contextlib.contextmanager
+def memory_limited_cgroup(name: str, limit: int = 64 << 20):
+    """A cgroup v1 memory cgroup of this test's own under ours, limited to ``limit`` bytes,
+    removed after (waiting up to 10 s for its last process to go); skips the test where no
+    writable memory controller is mounted (an OOM kill must not reach anything else)."""
+    parent = None
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.strip().split(":", 2)
+                if "memory" in controllers.split(","):
+                    directory = f"/sys/fs/cgroup/{controllers}{path}"
+                    parent = directory if os.access(directory, os.W_OK) else None
+                    break
+    except OSError:
+        pass
+    if parent is None:
+        pytest.skip("needs a writable cgroup v1 memory controller to make an OOM kill safely")
+    cgroup = os.path.join(parent, f"{name}-{os.getpid()}")
+    try:
+        os.mkdir(cgroup)
+        with open(os.path.join(cgroup, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit))
+    except OSError as e:
+        pytest.skip(f"cannot make a memory-limited cgroup here: {e}")
+    try:
+        yield cgroup
+    finally:
+        deadline = time.monotonic() + 10
+        while os.path.exists(cgroup):
+            try:
+                os.rmdir(cgroup)
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+

@@ -235,47 +235,16 @@ def test_a_bus_error_on_a_full_dev_shm_names_it():
     assert "in _bus_error_on_full_dev_shm" in out
 
 
-def _memory_cgroup_v1():
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                _, controllers, path = line.strip().split(":", 2)
-                if "memory" in controllers.split(","):
-                    directory = f"/sys/fs/cgroup/{controllers}{path}"
-                    return directory if os.access(directory, os.W_OK) else None
-    except OSError:
-        pass
-    return None
-
 
 @pytest.mark.slow
 def test_an_oom_kill_is_named(tmp_path):
-    parent = _memory_cgroup_v1()
-    if parent is None:
-        pytest.skip("needs a writable cgroup v1 memory controller to make an OOM kill safely")
-    cgroup = os.path.join(parent, f"tmx-loader-oom-{os.getpid()}")
-    try:
-        os.mkdir(cgroup)
-        with open(os.path.join(cgroup, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(64 << 20))
-    except OSError as e:
-        pytest.skip(f"cannot make a memory-limited cgroup here: {e}")
-    try:
+    with conftest.memory_limited_cgroup("tmx-loader-oom") as cgroup:
         loader = _loader("fork", lw.Numbers(at=9, how="oom", every_time=True, flag=cgroup))
         with pytest.raises(DataLoaderWorkerError) as info:
             list(loader)
         message, reason = str(info.value), info.value.reason
         del info, loader
         _released()
-    finally:
-        deadline = time.monotonic() + 10
-        while os.path.exists(cgroup):
-            try:
-                os.rmdir(cgroup)
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
     assert "is killed by signal: Killed." in message
     assert reason == "oom_kill" and "OOM killer" in message and "oom_kill" in message
 

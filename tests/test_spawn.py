@@ -12,6 +12,7 @@ import time
 
 import _spawn_workers as w
 import pytest
+from conftest import memory_limited_cgroup
 
 import torch_mp_ext as mp
 from torch_mp_ext.errors import ProcessException, RemoteTraceback
@@ -169,41 +170,10 @@ def test_exit_code_is_reported():
     assert (err.exit_code, err.signal_name) == (7, None)
 
 
-def _memory_cgroup_v1():
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                _, controllers, path = line.strip().split(":", 2)
-                if "memory" in controllers.split(","):
-                    directory = f"/sys/fs/cgroup/{controllers}{path}"
-                    return directory if os.access(directory, os.W_OK) else None
-    except OSError:
-        pass
-    return None
-
 
 def test_oom_kill_is_recognised():
-    parent = _memory_cgroup_v1()
-    if parent is None:
-        pytest.skip("needs a writable cgroup v1 memory controller to make an OOM kill safely")
-    cgroup = os.path.join(parent, f"tmx-oom-test-{os.getpid()}")
-    try:
-        os.mkdir(cgroup)
-        with open(os.path.join(cgroup, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(64 << 20))
-    except OSError as e:
-        pytest.skip(f"cannot make a memory-limited cgroup here: {e}")
-    try:
+    with memory_limited_cgroup("tmx-oom-test") as cgroup:
         err, _ = raised(w.exhaust_memory, (cgroup,), nprocs=1)
-    finally:
-        deadline = time.monotonic() + 10
-        while os.path.exists(cgroup):
-            try:
-                os.rmdir(cgroup)
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
     assert err.signal_name == "SIGKILL"
     assert err.failures[0].reason == "oom_kill"
     assert "OOM killer" in err.msg and "oom_kill" in err.msg

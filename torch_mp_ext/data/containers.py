@@ -49,7 +49,30 @@ def _read_only(obj: Any, *args: Any) -> None:
                     "modified copy (list(...) or dict(...)) instead")
 
 
-class SharedList(Sequence):
+class _Stored:
+    """What both collections are: a read-only view of one store, shared, never copied."""
+
+    _store: _store.Store
+
+    @classmethod
+    def _from_store(cls, store: _store.Store) -> Any:
+        out = cls.__new__(cls)
+        out._store = store
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of shared memory holding the contents (the store's block)."""
+        return self._store.nbytes
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return self
+
+
+class SharedList(_Stored, Sequence):
     """A read-only list whose items are stored once in shared memory.
 
     Indexing, slicing, iteration, ``len``, ``in``, ``index`` and ``count`` behave as for the
@@ -82,17 +105,6 @@ class SharedList(Sequence):
             self._store = items._store
         else:
             self._store = _store.build_list(items, progress)
-
-    @classmethod
-    def _from_store(cls, store: _store.Store) -> SharedList:
-        out = cls.__new__(cls)
-        out._store = store
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of shared memory holding the items (the store's block)."""
-        return self._store.nbytes
 
     def __len__(self) -> int:
         return self._store.records
@@ -142,12 +154,6 @@ class SharedList(Sequence):
         return (f"SharedList(<{len(self):,} items in {_size(self.nbytes)} of shared "
                 "memory>)")
 
-    def __copy__(self) -> SharedList:
-        return self
-
-    def __deepcopy__(self, memo: dict) -> SharedList:
-        return self
-
     def __reduce__(self) -> tuple:
         return (type(self), (list(self),))  # Note [Pickling a shared collection]
 
@@ -167,7 +173,7 @@ class _Values(ValuesView):
         return store.records_from(n, 2 * n)
 
 
-class SharedDict(Mapping):
+class SharedDict(_Stored, Mapping):
     """A read-only dict whose keys and values are stored once in shared memory.
 
     Lookup, ``in``, ``len``, iteration (in the original order), ``keys``, ``values``,
@@ -200,17 +206,6 @@ class SharedDict(Mapping):
             mapping = dict(mapping)
         self._store = _store.build_dict(mapping, progress)
 
-    @classmethod
-    def _from_store(cls, store: _store.Store) -> SharedDict:
-        out = cls.__new__(cls)
-        out._store = store
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of shared memory holding the entries (the store's block)."""
-        return self._store.nbytes
-
     def __len__(self) -> int:
         return self._store.records // 2
 
@@ -242,12 +237,6 @@ class SharedDict(Mapping):
     def __repr__(self) -> str:
         return (f"SharedDict(<{len(self):,} entries in {_size(self.nbytes)} of shared "
                 "memory>)")
-
-    def __copy__(self) -> SharedDict:
-        return self
-
-    def __deepcopy__(self, memo: dict) -> SharedDict:
-        return self
 
     def __reduce__(self) -> tuple:
         return (type(self), (dict(self.items()),))  # Note [Pickling a shared collection]
