@@ -70,30 +70,10 @@ def _released():
 # ---- surviving a death or a hang -----------------------------------------------------------
 
 
-def _only_rings_of_a_killed_holder_left(shm_before, fds_before):
-    """The leak check, but for the rings (queues) a SIGKILLed spawn worker still holds.
-
-    Note [Queue lifetime] (queues/ring_queue.py): a SIGKILLed process stays a holder of the
-    queues it had, which are reclaimed when their creator (here, this process) exits. Seen
-    with spawn workers: the result queue's and the dead worker's index queue's rings stay
-    mapped here. Anything else (a process, a /dev/shm name, another fd) is still a leak.
-    """
-    gc.collect()
-    mp.empty_cache()
-    assert not multiprocessing.active_children()
-    new_shm = conftest.shm_entries() - shm_before
-    assert not {n for n in new_shm if not conftest._creator_alive_elsewhere(n)}, new_shm
-    others = [fd for fd in conftest.open_fds() - fds_before
-              if not os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:tmx_{os.getpid()}")]
-    assert not others, others
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("persistent", [False, True])
-@pytest.mark.parametrize("method", [
-    "fork", pytest.param("spawn", marks=pytest.mark.no_leak_check), "forkserver"])
+@pytest.mark.parametrize("method", METHODS)
 def test_an_epoch_survives_a_worker_killed_from_outside(method, persistent):
-    shm_before, fds_before = conftest.shm_entries(), conftest.open_fds()
     loader = _loader(method, lw.Numbers(), max_worker_restarts=3,
                      persistent_workers=persistent)
     with warnings.catch_warnings(record=True) as caught:
@@ -112,9 +92,7 @@ def test_an_epoch_survives_a_worker_killed_from_outside(method, persistent):
     assert "SIGKILL came from outside torch_mp_ext" in message or "OOM killer" in message
     assert "replaced DataLoader worker 1" in message and "epoch goes on" in message
     del it, loader, epochs, first, batches
-    _released()
-    if method == "spawn":
-        _only_rings_of_a_killed_holder_left(shm_before, fds_before)
+    _released()  # the autouse leak check then finds no ring, name, fd or process left
 
 
 @pytest.mark.slow

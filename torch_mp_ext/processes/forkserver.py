@@ -59,7 +59,7 @@ from multiprocessing.context import set_spawning_popen
 from typing import Any
 
 from .. import _C
-from . import popen_spawn
+from . import payload, popen_spawn
 from .process import StrategyCarrier
 
 __all__ = [
@@ -230,18 +230,27 @@ class _DupFd:
         return _inherited_fds[self.ind]
 
 
-class _Popen(popen_forkserver.Popen):
+class _Popen(payload.GuardedPopen, popen_forkserver.Popen):
     DupFd = _DupFd  # type: ignore[assignment]
 
     def _launch(self, process_obj: Any) -> None:
         prep_data = popen_spawn.preparation_data(process_obj._name)
         buf = io.BytesIO()
-        set_spawning_popen(self)
-        try:
-            reduction.dump(prep_data, buf)
-            popen_spawn.dump_process(process_obj, buf)
-        finally:
-            set_spawning_popen(None)
+
+        def dump() -> int:
+            set_spawning_popen(self)
+            try:
+                reduction.dump(prep_data, buf)
+                start = buf.tell()
+                popen_spawn.dump_process(process_obj, buf)
+                return start
+            finally:
+                set_spawning_popen(None)
+
+        # Note [Unopened payloads] (payload.py)
+        self._tmx_launch_guarded(buf, dump, lambda: self._send(buf))
+
+    def _send(self, buf: io.BytesIO) -> None:
         self.sentinel, w = _server.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         # The worker's parent_process().sentinel: a copy of the data pipe's write end.
         _parent_w = os.dup(w)

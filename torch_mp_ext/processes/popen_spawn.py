@@ -24,6 +24,7 @@ from multiprocessing.context import set_spawning_popen
 from typing import Any
 
 from ..sharing import byvalue
+from . import payload
 
 __all__ = ["Popen", "dump_process", "preparation_data"]
 
@@ -62,20 +63,30 @@ def preparation_data(name: str) -> dict[str, Any]:
     return data
 
 
-class Popen(popen_spawn_posix.Popen):
-    """The standard library's spawn ``Popen`` with :func:`preparation_data`."""
+class Popen(payload.GuardedPopen, popen_spawn_posix.Popen):
+    """The standard library's spawn ``Popen`` with :func:`preparation_data`, whose payload is
+    given back if the child dies before opening it (Note [Unopened payloads] in
+    ``payload.py``)."""
 
     def _launch(self, process_obj: Any) -> None:
         tracker_fd: int = resource_tracker.getfd()  # type: ignore[assignment]
         self._fds.append(tracker_fd)
         prep_data = preparation_data(process_obj._name)
         fp = io.BytesIO()
-        set_spawning_popen(self)
-        try:
-            reduction.dump(prep_data, fp)
-            dump_process(process_obj, fp)
-        finally:
-            set_spawning_popen(None)
+
+        def dump() -> int:
+            set_spawning_popen(self)
+            try:
+                reduction.dump(prep_data, fp)
+                start = fp.tell()
+                dump_process(process_obj, fp)
+                return start
+            finally:
+                set_spawning_popen(None)
+
+        self._tmx_launch_guarded(fp, dump, lambda: self._send(fp, tracker_fd))
+
+    def _send(self, fp: io.BytesIO, tracker_fd: int) -> None:
         parent_r = child_w = child_r = parent_w = None
         try:
             parent_r, child_w = os.pipe()

@@ -26,7 +26,7 @@ import torch
 from ..sharing import byvalue, pickling
 from ..sharing import memory as _memory
 from ..sharing import strategy as sharing
-from . import dataloader, forkcheck, popen_spawn
+from . import dataloader, forkcheck, payload, popen_spawn
 
 __all__ = ["ForkProcess", "SpawnProcess", "StrategyCarrier"]
 
@@ -86,10 +86,17 @@ class StrategyCarrier:
                 if data is not None:
                     del state["_target"], state["_args"], state["_kwargs"]
                     state["_tmx_call"] = data
+                    guard = getattr(_ctx.get_spawning_popen(), "_tmx_payload_guard", None)
+                    if guard is not None:
+                        guard.add_inner(data)
+        marker = payload.opened_marker(_ctx.get_spawning_popen())
+        if marker is not None:  # Note [Unopened payloads]: unpickled first, so it goes first
+            state = {"_tmx_opened": marker, **state}
         return state
 
     def __setstate__(self, state: dict) -> None:
         call = state.pop("_tmx_call", None)
+        state.pop("_tmx_opened", None)  # Note [Unopened payloads]: did its work when unpickled
         self.__dict__.update(state)
         strategy = state.get("_tmx_sharing_strategy")
         if strategy is not None and strategy != sharing.get_sharing_strategy():

@@ -41,6 +41,7 @@ import torch
 from .. import _C
 from ..errors import CorruptSegmentError
 from ..sharing import memory as _memory
+from ..sharing.pickling import DROPPERS
 from ..timeouts import seconds
 from .ring_queue import Queue
 
@@ -338,3 +339,13 @@ def _check_meta(q: ArrayQueue) -> None:
             f"a pickled ArrayQueue describes {q._maxsize!r} arrays of shape {shape!r} in "
             f"{nbytes!r} bytes, which do not fit its {len(q._blocks)} blocks: the pickle was "
             "forged or corrupted")
+
+
+def _drop_rebuild(meta: tuple, handles: List[tuple], *queues: Any) -> None:
+    """An ArrayQueue in a pickle nobody will load (Note [Releasing dropped frames]): its
+    blocks' references go; its two queues were dropped by their own dropper."""
+    for handle in handles:
+        _C.release_handle(handle)
+
+
+DROPPERS[(__name__, "_rebuild")] = _drop_rebuild

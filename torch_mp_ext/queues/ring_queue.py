@@ -67,6 +67,7 @@ import torch
 from .. import _C
 from ..errors import PeerDiedError, QueueClosedError
 from ..sharing.pickling import (
+    DROPPERS,
     OOL_BYTES,
     PLAIN_TYPES,
     PROTOCOL,
@@ -244,6 +245,15 @@ def _rebuild_simple(cls: type, handle: tuple, read_fd: Any, write_fd: Any) -> An
     q: Any = _rebuild(cls, handle, 0)
     q._set_doorbell(read_fd.detach(), write_fd.detach())
     return q
+
+
+def _drop_rebuild(cls: Any, handle: tuple, *rest: Any) -> None:
+    """A queue in a pickle nobody will load (Note [Releasing dropped frames]): the holder it
+    carried is taken and let go at once, which drains the ring if it was the last."""
+    _let_go(_C.Ring.open(_C.attach(handle)))
+
+
+DROPPERS[(__name__, "_rebuild")] = DROPPERS[(__name__, "_rebuild_simple")] = _drop_rebuild
 
 
 def _sparse_block(capacity: int) -> tuple[Any, int]:

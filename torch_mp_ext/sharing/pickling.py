@@ -71,7 +71,7 @@ from . import records as _records
 from .strategy import get_sharing_strategy
 
 __all__ = ["TAG_PICKLE", "TAG_BYTES", "TAG_BLOCK", "OOL_BYTES", "dumps", "dump_item", "loads",
-           "decode", "release_frame", "to_block"]
+           "decode", "release_frame", "release_pickle", "to_block"]
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +317,14 @@ class _Releaser(pickle.Unpickler):
 def _release_view(tag: int, view: memoryview) -> None:
     if tag == TAG_PICKLE:
         _Releaser(io.BytesIO(view)).load()
+
+
+def release_pickle(data: Any) -> None:
+    """Drops the references a pickle nobody will load holds; never raises."""
+    try:
+        _Releaser(io.BytesIO(data)).load()
+    except Exception:  # a pickle we cannot walk: its references stay, as after a crash
+        log.debug("could not release the references of a pickle never loaded", exc_info=True)
 
 
 def release_frame(tag: int, data: bytes) -> None:
