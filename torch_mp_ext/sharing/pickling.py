@@ -83,6 +83,8 @@ TAG_RECORD = 3  # Note [Lean tensor records]
 OOL_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_OOL_BYTES", 256 * 1024))
 PROTOCOL = 5
 PLAIN_TYPES = frozenset({type(None), bool, int, float, str})
+#: Bytes this short inside a small tuple are pickled plainly too (no chunks to keep apart).
+PLAIN_BYTES = 64 * 1024
 
 loads = pickle.loads
 _plain_dumps = pickle.dumps
@@ -143,7 +145,7 @@ def dump_item(obj: Any, limit: int) -> Any:
         return _plain_dumps(obj, PROTOCOL)
     if tp is tuple and len(obj) <= 8:
         for x in obj:
-            if type(x) not in PLAIN_TYPES:
+            if type(x) not in PLAIN_TYPES and not _plain_part(x):
                 break
         else:
             return _plain_dumps(obj, PROTOCOL)
@@ -179,6 +181,21 @@ def dump_item(obj: Any, limit: int) -> Any:
         if again is not None:
             return again
     return data
+
+
+def _plain_part(x: Any) -> bool:
+    """Whether ``x``, inside a small tuple, needs no reducer either: small bytes, or a small
+    tuple of plain values and small bytes (a task message carrying a wire value)."""
+    tp = type(x)
+    if tp is bytes:
+        return len(x) <= PLAIN_BYTES
+    if tp is not tuple or len(x) > 8:
+        return False
+    for y in x:
+        ty = type(y)
+        if ty not in PLAIN_TYPES and (ty is not bytes or len(y) > PLAIN_BYTES):
+            return False
+    return True
 
 
 def _by_value_main(obj: Any, data: Any) -> bytes | None:

@@ -54,7 +54,7 @@ from typing import Any, Union
 from .. import _C
 from ..errors import RemoteTaskError, with_traceback
 from ..sharing import pickling as _pickling
-from ..sharing.pickling import TAG_PICKLE, dumps, loads, release_frame
+from ..sharing.pickling import PLAIN_TYPES, PROTOCOL, TAG_PICKLE, dumps, loads, release_frame
 
 __all__ = ["ERROR", "INLINE_MAX", "VALUE", "Value", "Wire", "discard", "encode", "encode_error"]
 
@@ -63,6 +63,7 @@ log = logging.getLogger("torch_mp_ext.tasks")
 VALUE = 0
 ERROR = 1
 #: Pickles larger than this travel in an arena block of their own (Note [Task values]).
+_plain_dumps = pickle.dumps
 INLINE_MAX = int(os.environ.get("TORCH_MP_EXT_TASK_INLINE_BYTES", 64 * 1024))
 
 _MARK = b"torch_mp_ext"  # in every pickle that holds a handle; absent: nothing to walk
@@ -183,7 +184,12 @@ class Value:
 
 def encode(obj: Any, kind: int = VALUE) -> Wire | tuple:
     """Pickles ``obj`` as a wire value; a large pickle goes into a box."""
-    data = dumps(obj)
+    if type(obj) in PLAIN_TYPES:  # an int, a str...: no reducer, no handle
+        data = _plain_dumps(obj, PROTOCOL)
+        if len(data) <= INLINE_MAX:
+            return (kind, data)
+    else:
+        data = dumps(obj)
     if len(data) <= INLINE_MAX:  # Note [Dropped wires]: plain when it holds no reference
         return Wire((kind, data)) if _MARK in data else (kind, data)
     box = _C.allocate(len(data))
