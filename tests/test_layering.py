@@ -19,6 +19,7 @@ PKG = Path(__file__).resolve().parent.parent / "torch_mp_ext"
 # docs/architecture.md, "Which may import which": lower layers first.
 LAYERS = [
     {"_C", "_version", "errors", "timeouts"},
+    {"torch_internals"},
     {"sharing", "cuda"},
     {"reductions", "data"},
     {"queues"},

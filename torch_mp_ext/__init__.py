@@ -12,14 +12,13 @@ from __future__ import annotations
 import multiprocessing as _stdlib_mp
 
 import torch
-from torch.multiprocessing import (  # type: ignore[attr-defined]  # private names torch exports
-    _get_thread_name,
-    _prctl_pr_set_pdeathsig,
-    _set_thread_name,
-)
 
 from . import _C, cuda, reductions
 from ._version import __version__
+# Private names torch.multiprocessing exports too (Note [Torch internals]).
+from .torch_internals import get_thread_name as _get_thread_name
+from .torch_internals import prctl_pr_set_pdeathsig as _prctl_pr_set_pdeathsig
+from .torch_internals import set_thread_name as _set_thread_name
 from .exchange.channel import StateDictChannel
 from .exchange.context import ContextChannel, ContextExchanger
 from .exchange.model import ModelExchanger, PeriodicalModelExchanger

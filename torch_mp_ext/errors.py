@@ -32,6 +32,8 @@ __all__ = [
     "ChannelClosedError",
     "CudaSharingWarning",
     "ForkAfterThreadsWarning",
+    "TorchVersionError",
+    "UntestedTorchWarning",
     "DataLoaderWorkerError",
     "WorkerRestartWarning",
     "QueueClosedError",
@@ -250,6 +252,17 @@ class CudaSharingWarning(RuntimeWarning):
     Emitted after the bounded exit wait (``torch_mp_ext.cuda.set_exit_wait``); the message
     counts the blocks and bytes still referenced and names the processes holding them.
     """
+
+
+class TorchVersionError(TorchMPExtError, ImportError):
+    """The installed torch lacks a private name torch_mp_ext needs (Note [Torch internals] in
+    ``torch_internals.py``): raised by ``import torch_mp_ext``, naming it and the torch
+    versions torch_mp_ext was tested with."""
+
+
+class UntestedTorchWarning(UserWarning):
+    """The installed torch is not one torch_mp_ext was tested with, though every private name
+    it needs is present (Note [Torch internals] in ``torch_internals.py``)."""
 
 
 class ForkAfterThreadsWarning(RuntimeWarning):

@@ -46,6 +46,7 @@ from torch.multiprocessing.reductions import (  # re-exported: same behaviour as
 )
 
 from . import _C
+from . import torch_internals as _ti
 from .cuda import ipc as _cuda_ipc
 from .sharing import byvalue
 from .sharing import memory as _memory
@@ -99,7 +100,7 @@ def storage_from_cache(cls: Any, key: Any) -> torch.UntypedStorage | None:
     storage_ref = shared_cache.get(key)
     if storage_ref is None:
         return None
-    return torch.UntypedStorage._new_with_weak_ptr(storage_ref.cdata)
+    return _ti.new_with_weak_ptr(storage_ref.cdata)
 
 
 # ---- storages -----------------------------------------------------------------------------
@@ -189,7 +190,7 @@ def reduce_typed_storage_child(storage: Any) -> tuple:
 def rebuild_tensor(cls: Any, storage: Any, metadata: tuple) -> torch.Tensor:
     """Rebuilds a tensor (or ``Parameter``) on a rebuilt storage, as torch's does."""
     storage_offset, size, stride, requires_grad = metadata
-    t = torch._utils._rebuild_tensor(storage, storage_offset, size, stride)
+    t = _ti.rebuild_tensor(storage, storage_offset, size, stride)
     if cls == torch.nn.parameter.Parameter:
         # requires_grad goes into the constructor: integer Parameters must get False there.
         t = torch.nn.parameter.Parameter(t, requires_grad=requires_grad)
@@ -260,7 +261,7 @@ def rebuild_cuda_tensor(
             storage_device, storage_handle, storage_size_bytes, storage_offset_bytes,
             ref_counter_handle, ref_counter_offset, event_handle, event_sync_required,
         )
-    t = torch._utils._rebuild_tensor(
+    t = _ti.rebuild_tensor(
         torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True),
         tensor_offset, tensor_size, tensor_stride,
     )
@@ -369,13 +370,13 @@ def init_reductions() -> None:
     torch's for the rest (``torch.cuda.Event`` keeps ``reduce_event``/``rebuild_event``).
     """
     reduction.register(torch.cuda.Event, reduce_event)
-    for t in torch._storage_classes:
+    for t in _ti.storage_classes:
         if t.__name__ == "UntypedStorage":
             reduction.register(t, reduce_storage)
         else:
             reduction.register(t, reduce_typed_storage_child)
     reduction.register(torch.storage.TypedStorage, reduce_typed_storage)
-    for tensor_cls in torch._tensor_classes:
+    for tensor_cls in _ti.tensor_classes:
         reduction.register(tensor_cls, reduce_tensor)
     reduction.register(torch.Tensor, reduce_tensor)
     reduction.register(torch.nn.parameter.Parameter, reduce_tensor)

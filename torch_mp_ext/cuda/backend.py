@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .. import torch_internals as _ti
+
 __all__ = ["NO_TORCH_COUNTER", "Backend", "Shared", "TorchCuda"]
 
 #: What receivers pass to ``_new_shared_cuda`` as torch's ref-counter name: none. The
@@ -95,16 +97,16 @@ class TorchCuda(Backend):
                       (counter, counter_offset))
 
     def release_native(self, native: Any) -> None:
-        torch.UntypedStorage._release_ipc_counter_cuda(*native)
+        _ti.release_ipc_counter_cuda(*native)
 
     def collect_native(self) -> None:
         if torch.cuda.is_initialized():
             torch.cuda.ipc_collect()
 
     def open(self, device: int, handle: bytes, nbytes: int, offset: int) -> torch.UntypedStorage:
-        torch.cuda._lazy_init()
+        _ti.cuda_lazy_init()
         # Event handling is ours (wait_event), so no event here; torch's counter: none.
-        return torch.UntypedStorage._new_shared_cuda(
+        return _ti.new_shared_cuda(
             device, handle, nbytes, offset, NO_TORCH_COUNTER, 0, bytes(64), False
         )
 

@@ -58,6 +58,7 @@ import torch
 from torch.multiprocessing.reductions import SharedCache, StorageWeakRef
 
 from .. import _C
+from .. import torch_internals as _ti
 from ..errors import CudaSharingWarning
 from .backend import Backend, Shared, TorchCuda
 from .borrower import Borrower, Received
@@ -245,7 +246,7 @@ def receive(device: int, handle: bytes, nbytes: int, offset: int, ticket: tuple,
     lease = _borrower.lease(ticket, slot, device, wait_for_sender)
     try:
         ref = _cache.get(key)
-        storage = None if ref is None else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        storage = None if ref is None else _ti.new_with_weak_ptr(ref.cdata)
         if storage is not None:
             lease.release(synchronize=False)  # the storage here already holds a slot
             return storage

@@ -22,8 +22,8 @@ numpy arrays of 64 KiB or more are copied into a block likewise (``reductions.re
 What this relies on in torch, each checked by ``tests/test_dataloader_arena.py`` so that a
 torch that changes it fails there loudly: the worker target's module and name, the classmethod
 ``torch.UntypedStorage._new_shared(size, *, device)``, and ``default_collate`` reaching it in a
-worker. Where ``_new_shared`` is missing, :func:`install` changes nothing and the loader works
-as with the standard library's context.
+worker. Both names are looked up when torch_mp_ext is imported (Note [Torch internals] in
+``torch_internals.py``).
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ from typing import Any, Callable
 
 import torch
 
+from .. import torch_internals as _ti
 from ..sharing import memory
 
 __all__ = ["WORKER_LOOP", "is_worker_loop", "install", "installed", "arena_new_shared"]
 
 #: (module, name) of the function DataLoader runs in each worker process.
-WORKER_LOOP = ("torch.utils.data._utils.worker", "_worker_loop")
+WORKER_LOOP = _ti.WORKER_LOOP
 
 _torch_new_shared: Callable[..., Any] | None = None
 
@@ -54,7 +55,7 @@ def arena_new_shared(cls: Any, size: int, *, device: Any = "cpu") -> Any:
     arena block (Note [Batches born in the arena]); other devices and empty storages go to
     torch's implementation."""
     if size <= 0 or cls is not torch.UntypedStorage or torch.device(device).type != "cpu":
-        original = _torch_new_shared or torch.UntypedStorage._new_shared
+        original = _torch_new_shared or _ti.new_shared
         return original(size, device=device)
     return memory.storage_from_block(memory.allocate(size), 0, size)
 
@@ -67,14 +68,8 @@ def installed() -> bool:
 def install() -> bool:
     """Makes this process's ``UntypedStorage._new_shared`` allocate CPU storages in arena
     blocks. Called in a DataLoader worker process before torch's loop starts; idempotent.
-    Returns False, changing nothing, if torch no longer has ``_new_shared``."""
+    Returns True (the name is checked at import: Note [Torch internals])."""
     global _torch_new_shared
-    if _torch_new_shared is not None:
-        return True
-    original = getattr(torch.UntypedStorage, "_new_shared", None)
-    if original is None:
-        return False
-    _torch_new_shared = original
-    patched: Any = classmethod(arena_new_shared)
-    torch.UntypedStorage._new_shared = patched  # type: ignore[method-assign]
+    if _torch_new_shared is None:
+        _torch_new_shared = _ti.replace_new_shared(arena_new_shared)
     return True

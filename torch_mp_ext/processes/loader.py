@@ -47,10 +47,9 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
-from torch.utils.data import _utils
-from torch.utils.data.dataloader import _DatasetKind, _MultiProcessingDataLoaderIter
 
 from ..errors import DataLoaderWorkerError, WorkerRestartWarning
+from .. import torch_internals as _ti
 from . import exits, worker_reports
 from .context import default_context, is_ours
 
@@ -96,7 +95,7 @@ class DataLoader(_TorchDataLoader):
                              f"max_worker_restarts={max_worker_restarts!r}")
         self.max_worker_restarts = max_worker_restarts
         super().__init__(dataset, *args, **kwargs)
-        if max_worker_restarts and self._dataset_kind == _DatasetKind.Iterable:
+        if max_worker_restarts and self._dataset_kind == _ti.DatasetKind.Iterable:
             raise ValueError(
                 "max_worker_restarts needs a map-style dataset: a worker of an "
                 "IterableDataset holds its position in the stream, which a replacement "
@@ -149,7 +148,7 @@ def _worker_loop_kwargs(it: Any, slot: int, index_queue: Any) -> dict[str, Any]:
         "worker_id": slot, "num_workers": it._num_workers,
         "persistent_workers": it._persistent_workers, "shared_seed": it._shared_seed,
     }
-    names = list(inspect.signature(_utils.worker._worker_loop).parameters)
+    names = list(inspect.signature(_ti.worker_loop).parameters)
     unknown = [name for name in names if name not in known]
     if unknown:
         raise RuntimeError(
@@ -160,7 +159,7 @@ def _worker_loop_kwargs(it: Any, slot: int, index_queue: Any) -> dict[str, Any]:
     return {name: known[name] for name in names}
 
 
-class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
+class _WorkerReplacingIter(_ti.MultiProcessingDataLoaderIter):
     """Note [Replacing a DataLoader worker], Note [Worker deaths without torch's SIGCHLD
     handler]. Attributes of ours start with ``_tmx_``."""
 
@@ -172,7 +171,7 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
         oom = exits.oom_kill_counts()
         super().__init__(loader)
         if self._worker_pids_set:  # Note [Worker deaths without torch's SIGCHLD handler]
-            _utils.signal_handling._remove_worker_pids(id(self))
+            _ti.remove_worker_pids(id(self))
             self._worker_pids_set = False
         self._tmx_oom = [oom] * self._num_workers
         self._tmx_gone: set[int] = set()  # pids of the workers replaced so far
@@ -212,7 +211,7 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
                 self._tmx_since[slot] = time.monotonic()
             self._tmx_owed[slot] += 1
 
-    def _try_get_data(self, timeout: float = _utils.MP_STATUS_CHECK_INTERVAL) -> tuple:
+    def _try_get_data(self, timeout: float = _ti.MP_STATUS_CHECK_INTERVAL) -> tuple:
         try:
             return True, self._data_queue.get(timeout=timeout)
         except queue.Empty:
@@ -227,7 +226,7 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
                 sentinels = [w.sentinel for slot, w in enumerate(self._workers)
                              if self._workers_status[slot]]
                 if not multiprocessing.connection.wait(sentinels,
-                                                       _utils.MP_STATUS_CHECK_INTERVAL):
+                                                       _ti.MP_STATUS_CHECK_INTERVAL):
                     raise
         for slot in self._tmx_dead_slots():
             self._tmx_replace(slot, hung=False)
@@ -268,7 +267,7 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
             self._tmx_since[slot] = time.monotonic()
             self._tmx_sent.pop(task, None)
             return True
-        if isinstance(task, _utils.worker._ResumeIteration):
+        if isinstance(task, _ti.ResumeIteration):
             return self._tmx_resuming
         return True
 
@@ -279,7 +278,7 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
         return entered  # torch's meaning: no result at all for `timeout` seconds
 
     def _tmx_wait(self, entered: float) -> float:
-        wait = _utils.MP_STATUS_CHECK_INTERVAL
+        wait = _ti.MP_STATUS_CHECK_INTERVAL
         if self._timeout > 0:
             now = time.monotonic()
             for slot in range(self._num_workers):
@@ -307,7 +306,7 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
             message = (f"DataLoader timed out after {self._timeout} seconds\n"
                        + worker_reports.hang_report(slot, old.pid, self._timeout, stack))
         else:
-            old.join(_utils.MP_STATUS_CHECK_INTERVAL)
+            old.join(_ti.MP_STATUS_CHECK_INTERVAL)
             code = old.exitcode
             message, reason = worker_reports.explain_death(old.pid, code, path,
                                                            self._tmx_oom[slot])
@@ -333,7 +332,7 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
     def _tmx_start_worker(self, slot: int, old: Any, owed: list[int]) -> Any:
         index_queue = self._tmx_ctx.Queue()
         index_queue.cancel_join_thread()
-        new = self._tmx_ctx.Process(target=_utils.worker._worker_loop,
+        new = self._tmx_ctx.Process(target=_ti.worker_loop,
                                     kwargs=_worker_loop_kwargs(self, slot, index_queue))
         new.daemon = True
         self._tmx_oom[slot] = exits.oom_kill_counts()
@@ -345,7 +344,7 @@ class _WorkerReplacingIter(_MultiProcessingDataLoaderIter):
         old.close()
         self._tmx_since[slot] = time.monotonic()
         if self._tmx_resuming:  # torch's _reset counts one ack per worker
-            index_queue.put(_utils.worker._ResumeIteration(self._shared_seed))
+            index_queue.put(_ti.ResumeIteration(self._shared_seed))
         for task in owed:
             index_queue.put((task, self._tmx_sent[task]))
         return new

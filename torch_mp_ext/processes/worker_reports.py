@@ -32,9 +32,8 @@ import os
 import signal
 from typing import Any, Callable, TextIO
 
-from torch.utils.data._utils import signal_handling
-
 from . import exits
+from .. import torch_internals as _ti
 
 __all__ = ["WorkerStart", "enable_fault_file", "explain_death", "fault_path", "hang_report",
            "read_fault_file", "stop_hung"]
@@ -90,7 +89,7 @@ def enable_fault_file(directory: str, *, torch_handlers: bool = False) -> None:
         # before the parent enabled it), put torch's handlers back, enable it on top.
         faulthandler.disable()
         if torch_handlers:
-            signal_handling._set_worker_signal_handlers()
+            _ti.set_worker_signal_handlers()
     faulthandler.enable(file=_fault_file, all_threads=True)
 
 

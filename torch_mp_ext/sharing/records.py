@@ -23,6 +23,7 @@ import torch
 from torch.multiprocessing.reductions import SharedCache, StorageWeakRef
 
 from .. import _C
+from .. import torch_internals as _ti
 from ..errors import CorruptSegmentError
 from . import memory as _memory
 
@@ -83,7 +84,7 @@ class _StorageRef(StorageWeakRef):
         self._free_weak_ref = _FREE_WEAK_REF
 
 
-_FREE_WEAK_REF = torch.UntypedStorage._free_weak_ref  # what TypedStorage's classmethod calls
+_FREE_WEAK_REF = _ti.free_weak_ref  # what TypedStorage's classmethod calls
 
 
 def _record(t: torch.Tensor, code: int, s: torch.UntypedStorage, nbytes: int,
@@ -205,7 +206,7 @@ def rebuild(data: bytes) -> Any:
                                   f"and dtype code {code}, which this version cannot read")
     dtype = _DTYPES[code]
     ref = shared_cache.get(key)
-    storage = None if ref is None else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    storage = None if ref is None else _ti.new_with_weak_ptr(ref.cdata)
     if storage is not None:  # Note [Identity of rebuilt storages]: already here
         del block  # the reference the record carried
         t = check_aligned(torch.empty((0,), dtype=dtype).set_(storage, so, sizes, strides))
