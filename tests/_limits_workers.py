@@ -18,7 +18,7 @@ def reads_one(q, out):
     """Child target: the item put for it, or the error, goes back on ``out``."""
     try:
         out.put(("ok", q.get(timeout=TIMEOUT)))
-    except Exception as exc:  # reported to the parent, which fails the test with it
+    except Exception as exc:  # noqa: BLE001 (reported to the parent, which fails the test)
         out.put(("err", repr(exc)))
 
 
@@ -107,7 +107,8 @@ def beyond_cgroup() -> None:
 def file_size_limit() -> None:
     """Under ``ulimit -f 4194304`` (4 GiB), unbounded queues work and nothing sends SIGXFSZ."""
     limit = 4194304 * 1024
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it: make it kill, as in C
     import torch
 

@@ -34,7 +34,8 @@ print("writing", flush=True)
 def test_a_daemon_thread_writing_at_exit_never_reaches_the_blocks_next_tensor():
     t = mp.zeros(1024)
     address = t.data_ptr()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env)
     try:

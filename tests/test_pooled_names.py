@@ -70,8 +70,8 @@ print(first, gone_within(5.0))
 
 
 def _run(code: str, **env_extra: str) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               TORCH_MP_EXT_EXIT_LINGER_S="0", **env_extra)
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, TORCH_MP_EXT_EXIT_LINGER_S="0", **env_extra)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -15,10 +15,6 @@ import torch
 
 from . import _C, cuda, reductions
 from ._version import __version__
-# Private names torch.multiprocessing exports too (Note [Torch internals]).
-from .torch_internals import get_thread_name as _get_thread_name
-from .torch_internals import prctl_pr_set_pdeathsig as _prctl_pr_set_pdeathsig
-from .torch_internals import set_thread_name as _set_thread_name
 from .exchange.channel import StateDictChannel
 from .exchange.context import ContextChannel, ContextExchanger
 from .exchange.model import ModelExchanger, PeriodicalModelExchanger
@@ -55,6 +51,11 @@ from .spawn import (
     spawn,
     start_processes,
 )
+
+# Private names torch.multiprocessing exports too (Note [Torch internals]).
+from .torch_internals import get_thread_name as _get_thread_name
+from .torch_internals import prctl_pr_set_pdeathsig as _prctl_pr_set_pdeathsig
+from .torch_internals import set_thread_name as _set_thread_name
 
 # The standard library's names, bound to torch_mp_ext's default context (as multiprocessing
 # binds them to its own): mp.Process, mp.Queue, mp.get_context(...), ...

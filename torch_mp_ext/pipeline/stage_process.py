@@ -14,8 +14,9 @@ final, discards what is left in the queues (the owners of the blocks those items
 still alive to take them back), then sets EXIT. Nobody polls the bytes: a process that sets
 a final status also puts its slot on the pipeline's ``events`` queue, which the consumer's
 wait reads, and the consumer puts one token per process on the ``exits`` queue with EXIT,
-which the finished processes wait on (a ring wait: no CPU while the consumer is busy). So no process exits while a handle to its
-memory is in flight: nothing needs an exit keeper, nothing is left behind. A process that
+which the finished processes wait on (a ring wait: no CPU while the consumer is busy). So no
+process exits while a handle to its memory is in flight: nothing needs an exit keeper,
+nothing is left behind. A process that
 exits before EXIT died; the consumer notices while waiting for items and reports it.
 Stage processes ignore SIGINT: Ctrl-C reaches the consumer, which stops them all in order.
 

@@ -52,7 +52,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from multiprocessing import forkserver as _stdlib_forkserver
 from multiprocessing import popen_forkserver, process, reduction, resource_tracker, spawn, util
 from multiprocessing.context import set_spawning_popen

@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 
-from ..errors import DataLoaderWorkerError, WorkerRestartWarning
 from .. import torch_internals as _ti
+from ..errors import DataLoaderWorkerError, WorkerRestartWarning
 from . import exits, worker_reports
 from .context import default_context, is_ours
 

@@ -32,8 +32,8 @@ import os
 import signal
 from typing import Any, Callable, TextIO
 
-from . import exits
 from .. import torch_internals as _ti
+from . import exits
 
 __all__ = ["WorkerStart", "enable_fault_file", "explain_death", "fault_path", "hang_report",
            "read_fault_file", "stop_hung"]

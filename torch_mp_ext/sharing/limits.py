@@ -14,8 +14,8 @@ strategy the size of ``/dev/shm``. Past the smallest of them it raises
 bound on one request, not an admission control: requests under it may still meet a full
 ``/dev/shm`` (``SharedMemoryError``) or the OOM killer when many of them add up, as with
 ``torch.empty``. The machine's and cgroups' limits are read once per process (fixed for its
-life in practice); ``/dev/shm``'s size at each named request of 64 MiB or more (one ``statvfs``); smaller
-requests are not checked.
+life in practice); ``/dev/shm``'s size at each named request of 64 MiB or more (one
+``statvfs``); smaller requests are not checked.
 """
 
 from __future__ import annotations

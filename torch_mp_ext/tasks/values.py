@@ -228,7 +228,7 @@ def discard(wire: tuple) -> None:
             release_frame(TAG_PICKLE, view)
         finally:
             view.release()
-    except Exception:  # noqa: BLE001 (a box we cannot map: its references stay, as after a crash)
+    except Exception:
         log.debug("could not release the references of a dropped task value", exc_info=True)
 
 
