@@ -66,17 +66,6 @@ class Samples(Dataset):
         return torch.full(self.shape, i % 100, dtype=self.dtype), i
 
 
-def _pss_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def _shmem_kib() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -97,7 +86,7 @@ class MemorySampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            self.peak_pss = max(self.peak_pss, sum(_pss_kib(p) for p in self.pids))
+            self.peak_pss = max(self.peak_pss, sum(bench_json.pss_kib(p) for p in self.pids))
             self.peak_shmem = max(self.peak_shmem, _shmem_kib() - self.shmem_base)
             self.stop.wait(self.interval)
 

@@ -48,6 +48,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 import bench_json
+from bench_json import pss_kib
 
 VARIANTS = ["list", "numpy", "shared", "list+tmx", "idle", "idle+tmx"]
 #: The idle run whose PSS is the fixed cost of each variant.
@@ -61,17 +62,6 @@ def record(i: int) -> dict:
         "label": i % 1000,
         "boxes": [float(i % 7), 0.25 * (i % 13), 100.0 + i % 17, 50.5 + i % 19],
     }
-
-
-def pss_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 # ---- one run, in a fresh interpreter ------------------------------------------------------

@@ -7,6 +7,8 @@ One file per run::
      "created": "2026-12-01T14:00:00Z", "machine": {...}, "versions": {...},
      "params": {...}, "rows": [{...}, ...]}
 
+Also the helpers the benchmarks share (:func:`pss_kib`).
+
 ``rows`` holds every measured cell as a flat dict (the columns differ per benchmark; each
 documents its own in ``rows_doc``); ``tools/plot_benchmarks.py`` turns files into PNG plots.
 """
@@ -106,3 +108,15 @@ def write(path: str, benchmark: str, rows: list[dict[str, Any]], *,
         f.write("\n")
     os.replace(tmp, path)
     print(f"results written to {path}", file=sys.stderr)
+
+
+def pss_kib(pid: int) -> int:
+    """Proportional set size of ``pid`` in KiB (shared pages counted once); 0 once gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
