@@ -51,14 +51,12 @@ gone), so give queues to processes while their creator lives (the usual parent â
 from __future__ import annotations
 
 import errno
-import gc
 import multiprocessing.util
 import os
 import pickle
 import queue
 import threading
 import warnings
-import weakref
 from typing import Any, Iterable, List, NoReturn, Optional
 
 import numpy as np
@@ -84,6 +82,7 @@ from ..sharing.records import rebuild as rebuild_record
 from ..sharing.records import remember_sent, share_array, share_tensor, share_tensor_deferred
 from ..sharing.strategy import get_all_sharing_strategies
 from ..timeouts import ring_seconds
+from . import holders as _holders
 from .compat import SimpleQueueCompat
 
 __all__ = ["Queue", "JoinableQueue", "SimpleQueue", "DEFAULT_MAX_BYTES", "MAX_GROW_BYTES"]
@@ -110,108 +109,6 @@ _RING_NAMED = "file_descriptor" not in get_all_sharing_strategies()
 
 _OK, _EMPTY, _FULL, _TIMEOUT, _CLOSED = (int(s) for s in (
     _C.Status.Ok, _C.Status.Empty, _C.Status.Full, _C.Status.Timeout, _C.Status.Closed))
-
-# ---- holders (Note [Queue lifetime]) ------------------------------------------------------
-
-_held: weakref.WeakSet[_C.Ring] = weakref.WeakSet()
-
-
-def _let_go(ring: _C.Ring) -> None:
-    if _collecting or _forking:  # Note [Queues freed by the cycle collector]
-        _freed_while_collecting.append(ring)
-        return
-    _held.discard(ring)
-    if ring.detach():
-        for tag, data in ring.drain():
-            release_frame(tag, data)
-    # The block reference goes now, not at interpreter exit: a process SIGTERMed in between
-    # (Pool.terminate() during a worker's exit) would otherwise keep the ring alive.
-    ring.release()
-
-
-# Note [Queues freed by the cycle collector]
-# A queue in a reference cycle is freed by the cycle collector, which calls weakref callbacks
-# (our Finalize) before the __del__ methods of the other objects of the cycle. One of those
-# may still use the queue: DataLoader's iterator puts its workers' shutdown sentinels in
-# __del__. So a ring let go during a collection is kept until the collection ends (gc's "stop"
-# callback), when every __del__ of that collection has run.
-# A ring let go between the before-fork hook and the fork is kept the same way, until the
-# fork is over (Note [Fork children hold before they run] in csrc/python/bind_queue.cpp): the
-# child inherits it counted and lets go of its own copy then.
-_collecting = False
-_forking = False
-_freed_while_collecting: list[_C.Ring] = []
-
-
-def _flush_freed() -> None:
-    while _freed_while_collecting and not (_collecting or _forking):
-        _let_go(_freed_while_collecting.pop())
-
-
-def _on_gc(phase: str, info: dict) -> None:
-    global _collecting
-    if phase == "start":
-        _collecting = True
-        return
-    _collecting = False
-    _flush_freed()
-
-
-gc.callbacks.append(_on_gc)
-
-
-# Note [Puts after exit]
-# The exit hook lets go of every ring before the process ends. In a multiprocessing child,
-# ``Process._bootstrap`` runs it while the exception that ended ``run()`` is still alive; when
-# that exception is then cleared, the objects its traceback held are freed, and their
-# ``__del__`` may still put on a queue (DataLoader's iterator puts its workers' shutdown
-# sentinels). The process is ending and its workers were terminated: such a put is dropped,
-# as the standard library's would be (its feeder thread is never flushed after the exit
-# hook), instead of raising into an "Exception ignored" report on stderr.
-_exited = False
-
-
-def _let_go_all() -> None:
-    global _exited
-    _exited = True
-    for ring in list(_held):
-        _let_go(ring)
-
-
-def _before_fork() -> None:
-    """Note [Fork children hold before they run]: counts the child's holders now."""
-    global _forking
-    _forking = True
-    for ring in list(_held):
-        ring.count_fork_child()
-
-
-def _after_fork_in_parent() -> None:
-    global _forking
-    for ring in list(_held):
-        ring.fork_parent_done()
-    _forking = False
-    _flush_freed()
-
-
-def _after_fork_in_child() -> None:
-    global _forking
-    for ring in list(_held):
-        ring.attach_inherited()
-    _forking = False
-    _flush_freed()
-
-
-def _register_exit_hook() -> None:
-    # After user finalizers, before _memory drops this process's block references (-100).
-    multiprocessing.util.Finalize(None, _let_go_all, exitpriority=-50)
-
-
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                    after_in_child=_after_fork_in_child)
-_register_exit_hook()
-multiprocessing.util.register_after_fork(_register_exit_hook, lambda _: _register_exit_hook())
-
 
 def _record_of(obj: Any) -> Optional[bytes]:
     """Note [Lean tensor records]: the record of a plain tensor or array, else None."""
@@ -250,7 +147,7 @@ def _rebuild_simple(cls: type, handle: tuple, read_fd: Any, write_fd: Any) -> An
 def _drop_rebuild(cls: Any, handle: tuple, *rest: Any) -> None:
     """A queue in a pickle nobody will load (Note [Releasing dropped frames]): the holder it
     carried is taken and let go at once, which drains the ring if it was the last."""
-    _let_go(_C.Ring.open(_C.attach(handle)))
+    _holders.let_go(_C.Ring.open(_C.attach(handle)))
 
 
 DROPPERS[(__name__, "_rebuild")] = DROPPERS[(__name__, "_rebuild_simple")] = _drop_rebuild
@@ -303,8 +200,8 @@ class _RingQueue:
         self._max_payload = ring.max_capacity - _C.Ring.frame_bytes(0)
         # Note [Large items out of line]: larger frames go to an arena block.
         self._ool = min(OOL_BYTES, ring.capacity // 4)
-        _held.add(ring)
-        self._finalizer = multiprocessing.util.Finalize(self, _let_go, args=(ring,))
+        _holders.hold(ring)
+        self._finalizer = multiprocessing.util.Finalize(self, _holders.let_go, args=(ring,))
 
     # -- pickling the queue itself: Queue objects cross to children (any start method) and
     #    may also be sent through other queues.
@@ -393,7 +290,8 @@ class _RingQueue:
                                     else _timeout(block, timeout))
         except BaseException:  # Ctrl-C while waiting: nothing was put
             release_frame(tag, data)
-            if _exited and not self._ring.attached:  # Note [Puts after exit]
+            # Note [Puts after exit] (holders.py)
+            if _holders.has_exited() and not self._ring.attached:
                 return
             raise
         if status:
