@@ -53,9 +53,14 @@ def _payload_opened(dupfd: Any) -> None:
 class _Marker:
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self._dup: Any = None
 
     def __reduce__(self) -> tuple:
-        return (_payload_opened, (reduction.DupFd(self.fd),))
+        # Once per payload: a by-value retry pickles the state again, and a second DupFd
+        # would pass the fd to the child twice (spawn refuses duplicate fds_to_keep).
+        if self._dup is None:
+            self._dup = reduction.DupFd(self.fd)
+        return (_payload_opened, (self._dup,))
 
 
 class PayloadGuard:
@@ -67,10 +72,11 @@ class PayloadGuard:
         os.set_blocking(self._r, False)
         self._payload: Optional[memoryview] = None
         self._inner: list[bytes] = []
+        self._marker = _Marker(self._w)
 
     def marker(self) -> _Marker:
         """The object the payload's Process state starts with."""
-        return _Marker(self._w)
+        return self._marker
 
     def add_inner(self, data: bytes) -> None:
         """A pickle carried inside the payload as bytes (a by-value call)."""
