@@ -217,3 +217,30 @@ def test_a_sigkilled_collector_releases_its_pin():
     assert pins(ch) == []
     version, state = ch.read()
     assert version == 2 and w.uniform_value(state) == 2
+
+
+def test_a_copy_into_a_borrowing_model_never_writes_the_borrowed_version():
+    template = bw.state_of(MB)
+    ch = mp.StateDictChannel(template)
+    ch.publish(_filled(template, 0))
+    model, other = bw.Flat(MB), bw.Flat(MB)
+    ch.borrow_into(model)
+    ch.borrow_into(other)
+    ch.publish(_filled(template, 1))
+    assert ch.read_into(model) == 1  # a copy: the model gets private memory first
+    assert not in_channel(model.t0) and w.uniform_value(model) == 1
+    assert w.uniform_value(other) == 0  # version 0, still borrowed, untouched
+
+
+def test_a_periodical_receiver_borrows_multiples_of_its_period():
+    src, dst = bw.Flat(MB), bw.Flat(MB)
+    ch = mp.StateDictChannel(src)
+    sender = mp.PeriodicalModelExchanger(src, "send", period=2, channel=ch)
+    receiver = mp.PeriodicalModelExchanger(dst, "receive", period=2, channel=ch, copy=False,
+                                           timeout=5)
+    for _ in range(4):  # iterations 0..3: versions 0 and 2 are published
+        w.fill_(src, sender._id_counter)
+        sender.send()
+    assert receiver.receive() == 2 and w.uniform_value(dst) == 2 and in_channel(dst.t0)
+    receiver.release()
+    assert not in_channel(dst.t0) and w.uniform_value(dst) == 2 and pins(ch) == []

@@ -47,7 +47,7 @@ from ..sharing import memory as _memory
 if TYPE_CHECKING:
     from .channel import StateDictChannel
 
-__all__ = ["borrow", "borrow_into", "release", "bump_versions", "contiguous_strides"]
+__all__ = ["borrow", "borrow_into", "release", "unbind", "bump_versions", "contiguous_strides"]
 
 logger = logging.getLogger("torch_mp_ext.exchange")
 
@@ -85,9 +85,8 @@ def _pin(ch: StateDictChannel, newer_than: int, multiple_of: int,
         if e.nbytes == 0:
             views[e.key] = torch.empty(e.shape, dtype=e.dtype)
             continue
-        itemsize = torch.empty((), dtype=e.dtype).element_size()
         views[e.key] = torch.empty(0, dtype=e.dtype).set_(
-            storage, e.offset // itemsize, e.shape, contiguous_strides(e.shape))
+            storage, e.offset // _itemsize(e.dtype), e.shape, contiguous_strides(e.shape))
     return version, views
 
 
@@ -175,6 +174,25 @@ def release(ch: StateDictChannel, target: Any) -> bool:
                 t.data = t.data.clone()
                 moved = True
     return moved
+
+
+def unbind(ch: StateDictChannel, target: Any) -> None:
+    """Before a copy into ``target`` (read_into): tensors still viewing a borrowed version
+    get fresh private memory first (no copy: the read overwrites them), so the copy never
+    writes into a version other collectors borrow."""
+    if not ch._borrowed or not isinstance(target, (torch.nn.Module, Mapping)):
+        return
+    state = target.state_dict(keep_vars=True) if isinstance(target, torch.nn.Module) else target
+    with torch.no_grad():
+        for t in state.values():
+            seen = ch._borrowed.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if seen is not None and seen[0]() is t:
+                del ch._borrowed[id(t)]
+                t.data = torch.empty_like(t.data)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

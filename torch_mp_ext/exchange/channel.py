@@ -280,6 +280,7 @@ class StateDictChannel:
             PeerDiedError: the publisher died without closing (Note [Publisher death] in
                 ``csrc/exchange/latest.h``), and nothing newer is there.
         """
+        _borrow.unbind(self, target)  # never copy into a borrowed version (borrow_into)
         return self._read(state_of(target, "target"), newer_than, multiple_of, timeout)[0]
 
     def read(self, newer_than: int = -1, *, multiple_of: int = 1,
