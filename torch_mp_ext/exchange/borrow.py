@@ -36,20 +36,33 @@ import logging
 import os
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from ..errors import BorrowedWriteError
 from ..sharing import memory as _memory
-
-if TYPE_CHECKING:
-    from .channel import StateDictChannel
+from .layout import Entry
 
 __all__ = ["borrow", "borrow_into", "release", "unbind", "bump_versions", "contiguous_strides"]
 
 logger = logging.getLogger("torch_mp_ext.exchange")
+
+
+class StateDictChannel(Protocol):
+    """What reading in place uses of a :class:`~torch_mp_ext.StateDictChannel`."""
+
+    _channel: Any  # the _C.LatestChannel
+    _entries: list[Entry]
+    _label: str
+    _watch: Any  # its PublisherWatch
+    # id(tensor) -> (weakref, autograd version) of tensors bound to a borrowed version
+    _borrowed: dict[int, tuple[weakref.ref, int]]
+
+    def _check(self, status: int, newer_than: int, timeout: float | None) -> None: ...
+
+    def _match(self, state: Mapping, verb: str) -> list[torch.Tensor]: ...
 
 
 def _unpin(raw: Any, index: int, slot: int, version: int, pid: int, label: str) -> None:

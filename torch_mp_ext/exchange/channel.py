@@ -41,12 +41,13 @@ from ..sharing import memory as _memory
 from ..timeouts import seconds
 from . import borrow as _borrow
 from .borrow import bump_versions, contiguous_strides
-from .layout import StateLike, _check_entries, _Entry, layout, match_state, state_of
+from .layout import Entry, StateLike, check_entries, layout, match_state, state_of
 from .publisher import PublisherWatch
 
 __all__ = ["StateDictChannel", "StateLike", "layout", "match_state", "state_of"]
 
 _OK, _TIMEOUT, _CLOSED, _STALE, _BUSY = range(5)
+_check_entries = check_entries  # the name tests/test_hostile.py knows
 _serial = itertools.count()
 
 
@@ -88,7 +89,7 @@ class StateDictChannel:
         channel = _C.LatestChannel(block, buffers, nbytes, True)
         self._setup(channel, entries, name or f"state_dict-{os.getpid()}-{next(_serial)}")
 
-    def _setup(self, channel: _C.LatestChannel, entries: list[_Entry], name: str) -> None:
+    def _setup(self, channel: _C.LatestChannel, entries: list[Entry], name: str) -> None:
         self._channel = channel
         self._entries = entries
         self._index = {e.key: e for e in entries}
@@ -379,7 +380,7 @@ class StateDictChannel:
     def _match(self, state: Mapping, verb: str) -> list[torch.Tensor]:
         return match_state(self._entries, self._index, state, verb, self._label)
 
-    def _view(self, index: int, entry: _Entry) -> torch.Tensor:
+    def _view(self, index: int, entry: Entry) -> torch.Tensor:
         views = self._views.get(index)
         if views is None:
             ch = self._channel
@@ -429,9 +430,9 @@ class StateDictChannel:
         return self._channel.state()
 
 
-def _rebuild(handle: tuple, nbuffers: int, buffer_bytes: int, entries: list[_Entry],
+def _rebuild(handle: tuple, nbuffers: int, buffer_bytes: int, entries: list[Entry],
              name: str) -> StateDictChannel:
-    _check_entries(entries, buffer_bytes)
+    check_entries(entries, buffer_bytes)
     self = StateDictChannel.__new__(StateDictChannel)
     self._setup(_C.LatestChannel(_C.attach(handle), nbuffers, buffer_bytes, False), entries, name)
     return self

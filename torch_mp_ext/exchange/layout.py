@@ -14,7 +14,7 @@ import torch
 
 from ..errors import CorruptSegmentError
 
-__all__ = ["StateLike", "layout", "match_state", "state_of"]
+__all__ = ["Entry", "StateLike", "check_entries", "layout", "match_state", "state_of"]
 
 _ALIGN = 64  # every tensor starts on a cache line (and so on any dtype's alignment)
 
@@ -22,7 +22,7 @@ StateLike = Union[torch.nn.Module, Mapping]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Entry:
+class Entry:
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -39,7 +39,7 @@ def state_of(obj: StateLike, what: str) -> Mapping:
                     f"tensors), got {type(obj).__name__}")
 
 
-def layout(template: Mapping) -> tuple[list[_Entry], int]:
+def layout(template: Mapping) -> tuple[list[Entry], int]:
     entries, offset = [], 0
     for key, value in template.items():
         if not isinstance(value, torch.Tensor):
@@ -50,12 +50,12 @@ def layout(template: Mapping) -> tuple[list[_Entry], int]:
             raise ValueError(f"template[{key!r}] is a {value.layout} tensor: only dense "
                              "(strided) tensors can be published")
         nbytes = value.numel() * value.element_size()
-        entries.append(_Entry(str(key), value.dtype, tuple(value.shape), offset, nbytes))
+        entries.append(Entry(str(key), value.dtype, tuple(value.shape), offset, nbytes))
         offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     return entries, offset
 
 
-def match_state(entries: list[_Entry], index: Mapping[str, _Entry], state: Mapping, verb: str,
+def match_state(entries: list[Entry], index: Mapping[str, Entry], state: Mapping, verb: str,
                 name: str) -> list[torch.Tensor]:
     """The tensors of ``state`` in template order, checked against the template."""
     missing = [e.key for e in entries if e.key not in state]
@@ -80,13 +80,13 @@ def match_state(entries: list[_Entry], index: Mapping[str, _Entry], state: Mappi
     return out
 
 
-def _check_entries(entries: object, buffer_bytes: object) -> None:
+def check_entries(entries: object, buffer_bytes: object) -> None:
     """A pickled channel's layout must describe tensors inside one buffer: every copy in and
     out of the channel trusts it (a forged nbytes would copy past the caller's tensor)."""
     if not isinstance(buffer_bytes, int) or not isinstance(entries, list):
         raise CorruptSegmentError("a pickled StateDictChannel has no valid layout")
     for e in entries:
-        ok = (isinstance(e, _Entry) and isinstance(e.dtype, torch.dtype)
+        ok = (isinstance(e, Entry) and isinstance(e.dtype, torch.dtype)
               and isinstance(e.shape, tuple)
               and all(isinstance(d, int) and d >= 0 for d in e.shape)
               and isinstance(e.offset, int) and isinstance(e.nbytes, int) and e.offset >= 0)
