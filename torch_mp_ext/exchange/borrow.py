@@ -58,7 +58,7 @@ class StateDictChannel(Protocol):
     _label: str
     _watch: Any  # its PublisherWatch
     # id(tensor) -> (weakref, autograd version) of tensors bound to a borrowed version
-    _borrowed: dict[int, tuple[weakref.ref, int]]
+    _borrowed: dict[int, tuple[weakref.ref[torch.Tensor], int]]
 
     def _check(self, status: int, newer_than: int, timeout: float | None) -> None: ...
 
@@ -112,6 +112,7 @@ def borrow(ch: StateDictChannel, newer_than: int, multiple_of: int,
 def _live_tensors(ch: StateDictChannel, target: Any, verb: str) -> list[torch.Tensor]:
     """The target's own tensors in template order: a module's parameters and buffers
     themselves (``keep_vars=True``), not the detached aliases ``state_dict()`` returns."""
+    state: Mapping
     if isinstance(target, torch.nn.Module):
         state = target.state_dict(keep_vars=True)
     elif isinstance(target, Mapping):
@@ -195,13 +196,17 @@ def unbind(ch: StateDictChannel, target: Any) -> None:
     writes into a version other collectors borrow."""
     if not ch._borrowed or not isinstance(target, (torch.nn.Module, Mapping)):
         return
-    state = target.state_dict(keep_vars=True) if isinstance(target, torch.nn.Module) else target
+    state: Mapping[str, Any] = (target.state_dict(keep_vars=True)
+                                if isinstance(target, torch.nn.Module) else target)
     with torch.no_grad():
         for t in state.values():
-            seen = ch._borrowed.get(id(t)) if isinstance(t, torch.Tensor) else None
-            if seen is not None and seen[0]() is t:
-                del ch._borrowed[id(t)]
-                t.data = torch.empty_like(t.data)
+            if not isinstance(t, torch.Tensor):
+                continue
+            seen = ch._borrowed.get(id(t))
+            if seen is None or seen[0]() is not t:
+                continue
+            del ch._borrowed[id(t)]
+            t.data = torch.empty_like(t)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

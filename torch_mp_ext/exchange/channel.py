@@ -98,7 +98,7 @@ class StateDictChannel:
         self._publish_lock = threading.Lock()
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         # id(tensor) -> (weakref, autograd version) of tensors bound to a borrowed version
-        self._borrowed: dict[int, tuple[weakref.ref, int]] = {}
+        self._borrowed: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._watch = PublisherWatch(channel, name)
         weakref.finalize(self, self._watch.close)
 
