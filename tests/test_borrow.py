@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import _borrow_workers as bw
@@ -244,3 +245,32 @@ def test_a_periodical_receiver_borrows_multiples_of_its_period():
     assert receiver.receive() == 2 and w.uniform_value(dst) == 2 and in_channel(dst.t0)
     receiver.release()
     assert not in_channel(dst.t0) and w.uniform_value(dst) == 2 and pins(ch) == []
+
+
+def test_a_waiting_writer_and_a_reader_without_a_slot_wake_when_a_pin_goes():
+    """Both sleep on the channel's 'released' condition (no polling) and wake on an unpin."""
+    template = bw.state_of(1 << 16)
+    ch = mp.StateDictChannel(template, buffers=2)
+    ch.publish(_filled(template, 0))
+    held = bw.Flat(1 << 16)
+    ch.borrow_into(held)  # pins version 0's buffer
+    ch.publish(_filled(template, 1))  # the other buffer: the newest, never written
+    done = []
+    writer = threading.Thread(target=lambda: done.append(
+        ch.publish(_filled(template, 2), timeout=30)))
+    writer.start()
+    time.sleep(0.2)
+    assert not done  # every back buffer is pinned: it waits
+    start = time.monotonic()
+    ch.release(held)
+    writer.join(30)
+    assert done == [2] and time.monotonic() - start < 1.0
+    borrows = [ch.borrow()[1] for _ in range(128)]  # every reader slot pinned
+    with pytest.raises(TimeoutError):
+        ch.read(timeout=0.1)
+    threading.Timer(0.2, borrows.pop).start()
+    start = time.monotonic()
+    assert ch.read(timeout=30)[0] == 2
+    assert 0.1 < time.monotonic() - start < 1.5
+    del borrows
+    assert pins(ch) == []
