@@ -199,11 +199,11 @@ def test_a_stalled_collector_does_not_stop_the_learner():
     stalled.join(30)
 
 
-def test_a_sigkilled_collector_releases_its_pin():
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])  # spawn: slow tier (conftest)
+def test_a_sigkilled_collector_releases_its_pin(ctx):
     nbytes = MB
     ch = mp.StateDictChannel(bw.state_of(nbytes), buffers=2)
     ch.publish(_filled(bw.state_of(nbytes), 0))
-    ctx = mp.get_context("fork")
     out = ctx.Queue()
     p = ctx.Process(target=bw.borrow_and_sleep, args=(ch, nbytes, out))
     p.start()
