@@ -266,7 +266,7 @@ def test_a_waiting_writer_and_a_reader_without_a_slot_wake_when_a_pin_goes():
     writer.join(30)
     assert done == [2] and time.monotonic() - start < 1.0
     borrows = [ch.borrow()[1] for _ in range(128)]  # every reader slot pinned
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match=r"every one of the 128 reader slots"):
         ch.read(timeout=0.1)
     threading.Timer(0.2, borrows.pop).start()
     start = time.monotonic()

@@ -48,6 +48,7 @@ __all__ = ["StateDictChannel", "StateLike", "layout", "match_state", "state_of"]
 
 _OK, _TIMEOUT, _CLOSED, _STALE, _BUSY = range(5)
 _check_entries = check_entries  # the name tests/test_hostile.py knows
+_READER_SLOTS = 128  # LATEST_READER_SLOTS in csrc/exchange/latest.h
 _serial = itertools.count()
 
 
@@ -401,6 +402,13 @@ class StateDictChannel:
         if self._channel.check_publisher():  # a timeout too: no watch thread may have run
             raise PeerDiedError(self._died_message())
         if status == _TIMEOUT:
+            readers = self._channel.state()["readers"]
+            if len(readers) >= _READER_SLOTS:
+                raise TimeoutError(
+                    f"every one of the {_READER_SLOTS} reader slots of {self._label} stayed "
+                    f"held for {timeout} s (pids {sorted({pid for pid, _ in readers})}): each "
+                    "borrowed version holds one while any of its tensors lives; let borrowed "
+                    "state_dicts go, or release() models that are idle")
             raise TimeoutError(
                 f"no version newer than {newer_than} was published on {self._label} within "
                 f"{timeout} s (latest: {self.version}); is the writer alive and publishing?")
