@@ -12,7 +12,8 @@ a mix of two -- without pickling anything::
 
 Publishing copies the state into a back buffer, then makes it the newest version with one
 atomic store; reading copies the newest buffer out (one ``memcpy`` per tensor, without the
-GIL). Shapes and dtypes are fixed when the channel is made, from a template model or
+GIL), or ``borrow_into`` makes a model's tensors views of it with no copy at all
+(:mod:`.borrow`). Shapes and dtypes are fixed when the channel is made, from a template model or
 state_dict. The layout, and why a writer or reader SIGKILLed at any instruction disturbs
 nobody, is Note [Latest-value channel] in ``csrc/exchange/latest.h``.
 
