@@ -28,7 +28,7 @@ against MemAvailable and free /dev/shm) runs its contenders one at a time; a con
 does not fit alone is skipped and says so.
 
     python benchmarks/bench_exchange.py [--repeats 9] [--mbytes 100,1000]
-                                        [--collectors 1,3,8,16]
+                                        [--collectors 1,3,8,16] [--only zero-copy,copy,...]
 """
 
 from __future__ import annotations
@@ -256,6 +256,7 @@ def gloo_side(mbytes: int, collectors: int) -> None:
 # ---- the driver -------------------------------------------------------------------------------
 
 SIDES = {ZERO: ["tmx-zero-copy"], COPY: ["tmx"], QUEUE: ["torch"], GLOO: ["gloo"]}
+SHORT = {"zero-copy": ZERO, "copy": COPY, "queue": QUEUE, "gloo": GLOO}  # for --only
 
 
 def footprint(name: str, nbytes: int, collectors: int) -> tuple[int, int]:
@@ -340,13 +341,14 @@ def run_group(names: list[str], mbytes: int, collectors: int, repeats: int,
         stop(procs)
 
 
-def run_config(mbytes: int, collectors: int, repeats: int, wrong: list, skipped: list) -> dict:
-    """Medians (s) of every contender for one size and number of collectors."""
+def run_config(mbytes: int, collectors: int, repeats: int, wrong: list, skipped: list,
+               only: list[str]) -> dict:
+    """Samples (s) of the contenders ``only`` for one size and number of collectors."""
     nbytes = nbytes_of(make_model(mbytes))
     samples: dict[str, list[float]] = {name: [] for name in SIDES}
     publish: list[float] = []
-    names = [n for n in SIDES if fits([n], nbytes, collectors)]
-    skipped += [(n, mbytes, collectors) for n in SIDES if n not in names]
+    names = [n for n in only if fits([n], nbytes, collectors)]
+    skipped += [(n, mbytes, collectors) for n in only if n not in names]
     groups = [names] if fits(names, nbytes, collectors) else [[n] for n in names]
     for group in groups:
         run_group(group, mbytes, collectors, repeats, samples, publish, wrong)
@@ -383,6 +385,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--mbytes", default="100,1000", help="state sizes, MB, comma-separated")
     parser.add_argument("--collectors", default="1,3,8,16", help="comma-separated")
+    parser.add_argument("--only", default=",".join(SHORT),
+                        help=f"contenders, comma-separated, of {','.join(SHORT)}")
     parser.add_argument("--side", help=argparse.SUPPRESS)
     bench_json.add_argument(parser)
     args = parser.parse_args()
@@ -398,13 +402,17 @@ def main() -> int:
         return 0
 
     sizes, counts = _ints(args.mbytes), _ints(args.collectors)
+    unknown = [c for c in args.only.split(",") if c not in SHORT]
+    if unknown:
+        parser.error(f"--only: unknown contenders {unknown}; choose from {list(SHORT)}")
+    only = [SHORT[c] for c in args.only.split(",")]
     print(f"Model exchange: a state_dict (Linear(2048, 1024) layers) from a learner to N "
           f"collectors, until all have it in their models: median of {args.repeats}, ms")
     print(f"Python {platform.python_version()}, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, {platform.machine()}")
     wrong: list = []
     skipped: list = []
-    results = {(m, n): run_config(m, n, args.repeats, wrong, skipped)
+    results = {(m, n): run_config(m, n, args.repeats, wrong, skipped, only)
                for m in sizes for n in counts}
     floors = {m: memcpy_floor(m) for m in sizes}
 
@@ -420,7 +428,7 @@ def main() -> int:
         pub = statistics.median(res["publish"]) if res["publish"] else None
         zero, queue = med(m, n, ZERO), med(m, n, QUEUE)
         ratio = f"{queue / zero:.1f}x" if zero and queue else "-"
-        cells = " | ".join(_ms(med(m, n, name)) for name in SIDES)
+        cells = " | ".join(_ms(med(m, n, name)) if name in only else "-" for name in SIDES)
         print(f"| {res['nbytes'] / 1e6:.0f} | {n} | {cells} | {_ms(pub)} | "
               f"{_ms(floors[m])} | {ratio} |")
     print()
@@ -458,7 +466,7 @@ def main() -> int:
             rows.append({"series": "memcpy", "floor": True,
                          "nbytes": results[(m, counts[0])]["nbytes"], "median_s": floors[m]})
         bench_json.write(args.json, "bench_exchange", rows,
-                         params={"repeats": args.repeats, "mbytes": sizes,
+                         params={"repeats": args.repeats, "mbytes": sizes, "only": only,
                                  "collectors": counts, "wrong": wrong, "skipped": skipped},
                          rows_doc="seconds per version until every collector has it in its "
                                   "model, per contender, size and number of collectors; "
