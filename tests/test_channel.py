@@ -79,7 +79,7 @@ def test_shapes_dtypes_and_keys_are_fixed_by_the_template():
         ch.read_into(dict(filled(small_template(), 1), x=torch.zeros(1)), timeout=0)
     with pytest.raises(ValueError, match=r"template\['step'\] is a int, not a tensor"):
         mp.StateDictChannel({"step": 3})
-    with pytest.raises(ValueError, match="buffers must be an integer from 2 to 16"):
+    with pytest.raises(ValueError, match="buffers must be an integer from 2 to 64"):
         mp.StateDictChannel(small_template(), buffers=1)
     assert ch.version == -1  # nothing half-published
 

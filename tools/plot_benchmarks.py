@@ -14,7 +14,8 @@ without a display (Agg).
 - queue: items/s per workload and queue (log scale), grouped bars.
 - spawn: seconds to start N workers and join them, cold and warm, per way of starting.
 - dataloader: batches/s per start method, default context vs torch_mp_ext's.
-- exchange: ms until every collector has loaded a state_dict, per contender; floor dashed.
+- exchange: ms per version until every collector has it in its model vs collectors, one
+  line per contender and state size, log-log; the publish memcpy and a memcpy as floors.
 - dataset_memory: PSS of main + DataLoader workers at the end of an epoch per dataset and
   start method, with the idle workers' fixed cost dotted.
 """
@@ -182,6 +183,44 @@ def plot_dataloader(doc: dict[str, Any], path: str) -> str:
 
 
 def plot_exchange(doc: dict[str, Any], path: str) -> str:
+    rows = doc["rows"]
+    if not any("collectors" in r for r in rows):  # results from before issue 32: one size, N=3
+        return _plot_exchange_bars(doc, path)
+    fig, ax = _figure(doc, "Model exchange: ms per version until every collector has it "
+                           "in its model (median)")
+    sizes = sorted({r["nbytes"] for r in rows})
+    dashes = ["-", "--", "-.", ":"]
+    for k, nbytes in enumerate(sizes):
+        label = f"{nbytes / 1e6:.0f} MB"
+        here = [r for r in rows if r["nbytes"] == nbytes]
+        for name in _ordered(r["series"] for r in here if not r.get("floor")):
+            points = sorted((r["collectors"], r["median_s"] * 1e3) for r in here
+                            if r["series"] == name)
+            style = _style(name)
+            style["linestyle"] = dashes[k % len(dashes)]
+            ax.plot([x for x, _ in points], [y for _, y in points], label=f"{name}, {label}",
+                    **style)
+        for r in here:
+            if r.get("floor") and "collectors" not in r:
+                ax.axhline(r["median_s"] * 1e3, color="grey", linestyle=":", linewidth=1.5,
+                           label=f"{r['series']} floor, {label} ({r['median_s'] * 1e3:.1f} ms)")
+        publish = sorted((r["collectors"], r["median_s"] * 1e3) for r in here
+                         if r.get("floor") and "collectors" in r)
+        if publish:
+            ax.plot([x for x, _ in publish], [y for _, y in publish], color="grey",
+                    linestyle="--", linewidth=1.5, label=f"publish (memcpy), {label}")
+    counts = sorted({r["collectors"] for r in rows if "collectors" in r})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(c) for c in counts])
+    ax.set_yscale("log")
+    ax.set_xlabel("collectors")
+    ax.set_ylabel("ms (log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6.5, ncol=2)
+    return _save(fig, path)
+
+
+def _plot_exchange_bars(doc: dict[str, Any], path: str) -> str:
     nbytes = doc["rows"][0]["nbytes"]
     collectors = doc["params"].get("collectors", "?")
     fig, ax = _figure(doc, f"Model exchange: a {nbytes / 1e6:.0f} MB state_dict to "

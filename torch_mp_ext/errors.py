@@ -30,6 +30,7 @@ __all__ = [
     "PeerDiedError",
     "InvalidSharingStrategyError",
     "ChannelClosedError",
+    "BorrowedWriteError",
     "CudaSharingWarning",
     "ForkAfterThreadsWarning",
     "TorchVersionError",
@@ -135,6 +136,14 @@ class InvalidSharingStrategyError(TorchMPExtError, ValueError, AssertionError):
 class ChannelClosedError(TorchMPExtError, EOFError):
     """A :class:`~torch_mp_ext.StateDictChannel` (or an exchanger on it) was closed: no
     newer version will come, or no version may be published any more."""
+
+
+class BorrowedWriteError(TorchMPExtError, RuntimeError):
+    """A tensor that viewed a borrowed version of a
+    :class:`~torch_mp_ext.StateDictChannel` was written in place (an optimizer step,
+    BatchNorm's running statistics in train mode, an in-place op under ``no_grad``): the
+    write went into shared memory that every collector borrowing that version reads (Note
+    [Borrowed versions] in ``csrc/exchange/latest.h``)."""
 
 
 class TaskError(TorchMPExtError):

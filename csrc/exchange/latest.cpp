@@ -22,13 +22,6 @@ constexpr uint64_t PAGE = 4096;  // buffer alignment: whole pages suit memcpy an
 
 bool complete(uint64_t stamp) { return stamp != 0 && (stamp & STAMP_WRITING) == 0; }
 
-void pause_for(int attempt) {
-  // 20 us, 40 us, ... capped at 1 ms: a reader holds a pin for one memcpy of the state.
-  long ns = 20000L << std::min(attempt, 6);
-  timespec ts{0, std::min(ns, 1000000L)};
-  ::nanosleep(&ts, nullptr);
-}
-
 /// Maps every page of [begin, begin + n) into this process now (Note [Prefaulted buffers]).
 void prefault(char* begin, uint64_t n) {
 #ifdef MADV_POPULATE_WRITE
@@ -194,6 +187,7 @@ LatestStatus LatestChannel::begin_write(uint64_t version, const Deadline& deadli
   }
   const uint32_t n = nbuffers_;
   for (int attempt = 0;; ++attempt) {
+    uint32_t seen = header_->released.snapshot();  // before the pins are looked at
     // Candidates: every buffer but the newest complete one; empty or abandoned ones first,
     // then the oldest versions (the ones readers are least likely to want).
     uint64_t newest_stamp = 0;
@@ -218,7 +212,14 @@ LatestStatus LatestChannel::begin_write(uint64_t version, const Deadline& deadli
       header_->writer.release(me);
       return LatestStatus::Timeout;
     }
-    pause_for(attempt);
+    if (attempt == 0) continue;  // judge the pinning processes before sleeping
+    // Every back buffer is pinned by a live reader: sleep until one unpins (Note [Borrowed
+    // versions]). The writer word stays ours meanwhile: a publish in progress.
+    LatestStatus st = wait_on(header_->released, seen, deadline);
+    if (st == LatestStatus::Interrupted) {
+      header_->writer.release(me);
+      return st;
+    }
   }
 }
 
@@ -275,14 +276,18 @@ bool LatestChannel::claim_slot(uint32_t* slot) {
 void LatestChannel::release_slot(uint32_t slot) {
   header_->readers[slot].pinned.store(0, std::memory_order_seq_cst);
   header_->readers[slot].holder.release(readers().self());
+  header_->released.notify_all();  // no system call unless a writer or reader sleeps on it
 }
 
 LatestStatus LatestChannel::begin_read(int64_t newer_than, uint64_t multiple_of,
                                        const Deadline& deadline, ReadTicket* ticket) {
   uint32_t slot = 0;
-  for (int attempt = 0; !claim_slot(&slot); ++attempt) {  // more readers than slots: queue up
+  for (;;) {  // more readers than slots: queue up until one unpins (Note [Borrowed versions])
+    uint32_t seen = header_->released.snapshot();
+    if (claim_slot(&slot)) break;
     if (deadline.expired()) return LatestStatus::Timeout;
-    pause_for(attempt);
+    LatestStatus st = wait_on(header_->released, seen, deadline);
+    if (st == LatestStatus::Interrupted) return st;
   }
   LatestReaderSlot& r = header_->readers[slot];
   for (;;) {
@@ -402,7 +407,12 @@ LatestStatus LatestChannel::wait_changed(uint32_t seen, const Deadline& deadline
   // `seen` was read before the predicate (the stamps), and every commit changes a stamp
   // before it notifies: no lost wake-up (Note [Why not pthread_cond_t]). No spin: a reader
   // waits for the learner's next step, milliseconds away.
-  switch (header_->changed.wait(seen, deadline, /*spin=*/nullptr)) {
+  return wait_on(header_->changed, seen, deadline);
+}
+
+LatestStatus LatestChannel::wait_on(SharedCondition& cond, uint32_t seen,
+                                    const Deadline& deadline) {
+  switch (cond.wait(seen, deadline, /*spin=*/nullptr)) {
     case SharedCondition::Woke::Event:
       return LatestStatus::Ok;
     case SharedCondition::Woke::TimedOut:

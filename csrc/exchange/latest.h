@@ -13,6 +13,8 @@
 //                                  latest   newest committed version + 1 (0: none yet)
 //                                  changed  futex condition, notified by every commit and by
 //                                           close (Note [Why not pthread_cond_t])
+//                                  released futex condition, notified by every unpin
+//                                           (Note [Borrowed versions])
 //                                  stamps[K]     per buffer: 0 empty | version + 1 complete,
 //                                                | WRITING while the writer fills it
 //                                  published[K]  per buffer: CLOCK_MONOTONIC ns of its commit
@@ -61,6 +63,26 @@
 // publisher's pidfd (torch_mp_ext/exchange/publisher.py) and calls check_publisher when it
 // fires, so a blocked reader costs no CPU and still wakes at once.
 //
+// Note [Borrowed versions]
+// A collector that reads in place (StateDictChannel.borrow_into, ModelExchanger(copy=False))
+// keeps its pin for as long as its model's tensors view the buffer: begin_read without the
+// copy, end_read when the last view dies (torch_mp_ext/exchange/borrow.py), so a pin lasts a
+// whole collector step, not one memcpy. Nothing else changes, and the invariants above are
+// what make it safe: a pinned buffer is never written, so a borrowed version never changes
+// under its reader and is never torn. The pool is the channel's K buffers, fixed when it is
+// made (the memory bound: K state_dicts, whatever the readers do). The writer takes the
+// oldest buffer that is neither the newest version nor pinned; pins of one version share one
+// buffer, so K >= 2 + (distinct versions pinned) means the writer never waits: K = 3 with
+// collectors that all borrow the newest version, K = collectors + 2 for any interleaving.
+// When every back buffer is pinned the writer waits (policy: wait, never grow past K) on
+// `released`, a condition every unpin notifies, so it costs no CPU; a pin whose holder died
+// (SIGKILL) is cleared by the writer itself: before it sleeps, and again at every wake-up,
+// it judges the pinning processes (Note [Holder tables]); the Python binding waits in 50 ms
+// slices for Ctrl-C, each slice a fresh begin_write, so a dead borrower holds the writer up
+// for at most one slice. (Waking on the death itself would need a pidfd per pinning
+// process; a slice's wake-up costs a few system calls, only while every buffer is pinned.) A reader that
+// waits for a free slot (all LATEST_READER_SLOTS pinned) waits on `released` the same way.
+//
 // Note [Prefaulted buffers]
 // The first touch of a shared page costs each process a page fault (microseconds, and ~25,000
 // of them per 100 MB), and each of the K buffers is touched for the first time at a different
@@ -81,10 +103,11 @@ namespace torch_mp_ext {
 
 constexpr uint64_t LATEST_MAGIC = 0x3154534554414c54ULL;  // "TLATEST1" little-endian
 /// 2: readers and writer are holder-table slots (Note [Holder tables]), home `pidns`.
-constexpr uint32_t LATEST_LAYOUT_VERSION = 2;
-/// Buffers per channel: 2 is double buffering; more lets slow readers hold old versions
-/// without ever making the writer wait.
-constexpr uint32_t LATEST_MAX_BUFFERS = 16;
+/// 3: the `released` condition, up to 64 buffers (Note [Borrowed versions]).
+constexpr uint32_t LATEST_LAYOUT_VERSION = 3;
+/// Buffers per channel: 2 is double buffering; more lets slow readers (and collectors that
+/// borrow versions, Note [Borrowed versions]) hold old versions without making the writer wait.
+constexpr uint32_t LATEST_MAX_BUFFERS = 64;
 /// Reads that can be in progress at once (each holds one slot only while it reads).
 constexpr uint32_t LATEST_READER_SLOTS = 128;
 constexpr uint64_t STAMP_WRITING = uint64_t{1} << 63;
@@ -125,6 +148,7 @@ struct LatestHeader {
   std::atomic<uint64_t> latest;  ///< newest committed version + 1; 0: none yet
   SharedCondition changed;       ///< notified by every commit and by close (8 bytes)
   std::atomic<uint32_t> closed;  ///< 0 open, CLOSED_BY_PUBLISHER, CLOSED_PUBLISHER_DIED
+  SharedCondition released;      ///< notified by every unpin (Note [Borrowed versions])
   LatestBufferState buffers[LATEST_MAX_BUFFERS];
   LatestReaderSlot readers[LATEST_READER_SLOTS];
 };
@@ -221,6 +245,7 @@ class LatestChannel {
   void release_slot(uint32_t slot);
   HolderTable readers() const;
   LatestStatus wait_changed(uint32_t seen, const Deadline& deadline);
+  LatestStatus wait_on(SharedCondition& cond, uint32_t seen, const Deadline& deadline);
 
   LatestHeader* header_;
   char* base_;

@@ -1,6 +1,8 @@
 """Model and context exchange between a learner and its collectors, DI-engine style.
 
-- :mod:`.channel`: :class:`StateDictChannel`, a versioned latest-value channel in shared memory.
+- :mod:`.channel`: :class:`StateDictChannel`, a versioned latest-value channel in shared memory
+  (its buffer layout in :mod:`.layout`).
+- :mod:`.borrow`: reading its versions in place (``borrow_into``, ``copy=False``), no copy.
 - :mod:`.model`: :class:`ModelExchanger`, :class:`PeriodicalModelExchanger`.
 - :mod:`.context`: :class:`ContextChannel`, :class:`ContextExchanger`.
 - :mod:`.dist`: the same exchangers across hosts over ``torch.distributed``.

@@ -12,7 +12,8 @@ a mix of two -- without pickling anything::
 
 Publishing copies the state into a back buffer, then makes it the newest version with one
 atomic store; reading copies the newest buffer out (one ``memcpy`` per tensor, without the
-GIL). Shapes and dtypes are fixed when the channel is made, from a template model or
+GIL), or ``borrow_into`` makes a model's tensors views of it with no copy at all
+(:mod:`.borrow`). Shapes and dtypes are fixed when the channel is made, from a template model or
 state_dict. The layout, and why a writer or reader SIGKILLed at any instruction disturbs
 nobody, is Note [Latest-value channel] in ``csrc/exchange/latest.h``.
 
@@ -26,89 +27,30 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import threading
 import time
 import weakref
 from collections.abc import Mapping
-from typing import Union
 
 import torch
 
 from .. import _C
-from ..errors import ChannelClosedError, CorruptSegmentError, PeerDiedError
+from ..errors import ChannelClosedError, PeerDiedError
 from ..sharing import memory as _memory
 from ..timeouts import seconds
+from . import borrow as _borrow
+from .borrow import bump_versions, contiguous_strides
+from .layout import Entry, StateLike, check_entries, layout, match_state, state_of
 from .publisher import PublisherWatch
 
-__all__ = ["StateDictChannel"]
+__all__ = ["StateDictChannel", "StateLike", "layout", "match_state", "state_of"]
 
 _OK, _TIMEOUT, _CLOSED, _STALE, _BUSY = range(5)
+_check_entries = check_entries  # the name tests/test_hostile.py knows
+_READER_SLOTS = 128  # LATEST_READER_SLOTS in csrc/exchange/latest.h
 _serial = itertools.count()
-_ALIGN = 64  # every tensor starts on a cache line (and so on any dtype's alignment)
-
-StateLike = Union[torch.nn.Module, Mapping]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-def state_of(obj: StateLike, what: str) -> Mapping:
-    if isinstance(obj, torch.nn.Module):
-        return obj.state_dict()
-    if isinstance(obj, Mapping):
-        return obj
-    raise TypeError(f"{what} must be an nn.Module or a state_dict (a mapping of names to "
-                    f"tensors), got {type(obj).__name__}")
-
-
-def layout(template: Mapping) -> tuple[list[_Entry], int]:
-    entries, offset = [], 0
-    for key, value in template.items():
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(  # noqa: TRY004  (a mismatch with what a channel carries)
-                f"template[{key!r}] is a {type(value).__name__}, not a tensor: a "
-                "StateDictChannel carries tensors only (send other state another way)")
-        if value.layout != torch.strided or value.is_nested:
-            raise ValueError(f"template[{key!r}] is a {value.layout} tensor: only dense "
-                             "(strided) tensors can be published")
-        nbytes = value.numel() * value.element_size()
-        entries.append(_Entry(str(key), value.dtype, tuple(value.shape), offset, nbytes))
-        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    return entries, offset
-
-
-def match_state(entries: list[_Entry], index: Mapping[str, _Entry], state: Mapping, verb: str,
-                name: str) -> list[torch.Tensor]:
-    """The tensors of ``state`` in template order, checked against the template."""
-    missing = [e.key for e in entries if e.key not in state]
-    unexpected = [k for k in state if k not in index]
-    if missing or unexpected:
-        raise ValueError(
-            f"{verb}: the state_dict does not match the template of {name}: missing keys "
-            f"{missing}, unexpected keys {unexpected} (the keys are fixed when the channel is "
-            "made; make a new channel for a new model)")
-    out = []
-    for e in entries:
-        t = state[e.key]
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(  # noqa: TRY004  (a mismatch with the template)
-                f"{verb}: state_dict[{e.key!r}] is a {type(t).__name__}, not a tensor")
-        if t.dtype != e.dtype or tuple(t.shape) != e.shape:
-            raise ValueError(
-                f"{verb}: state_dict[{e.key!r}] is {t.dtype} of shape {tuple(t.shape)}, but "
-                f"{name} holds {e.dtype} of shape {e.shape} for it (shapes and dtypes are "
-                "fixed by the template when the channel is made)")
-        out.append(t.detach())
-    return out
 
 
 def _deadline(timeout: float | None) -> float | None:
@@ -130,9 +72,11 @@ class StateDictChannel:
     Args:
         template: an ``nn.Module`` or state_dict whose keys, shapes and dtypes every
             published version has (its values are not used).
-        buffers: versions kept in memory (2 to 16). With the default 3 the writer never waits
-            for a reader that holds the previous version; each buffer costs one state_dict
-            of shared memory.
+        buffers: versions kept in memory (2 to 64), the bound on the channel's shared memory:
+            each buffer costs one state_dict. With the default 3 the writer never waits for
+            readers that copy, nor for collectors that all borrow the newest version; with
+            ``collectors + 2`` it never waits for borrowers at all (Note [Borrowed versions]
+            in ``csrc/exchange/latest.h``).
         name: names the channel in errors and its repr.
 
     Raises:
@@ -141,13 +85,13 @@ class StateDictChannel:
 
     def __init__(self, template: StateLike, *, buffers: int = 3, name: str | None = None) -> None:
         entries, nbytes = layout(state_of(template, "template"))
-        if isinstance(buffers, bool) or not isinstance(buffers, int) or not 2 <= buffers <= 16:
-            raise ValueError(f"buffers must be an integer from 2 to 16, got {buffers!r}")
+        if isinstance(buffers, bool) or not isinstance(buffers, int) or not 2 <= buffers <= 64:
+            raise ValueError(f"buffers must be an integer from 2 to 64, got {buffers!r}")
         block = _memory.allocate(_C.LatestChannel.required_bytes(buffers, nbytes))
         channel = _C.LatestChannel(block, buffers, nbytes, True)
         self._setup(channel, entries, name or f"state_dict-{os.getpid()}-{next(_serial)}")
 
-    def _setup(self, channel: _C.LatestChannel, entries: list[_Entry], name: str) -> None:
+    def _setup(self, channel: _C.LatestChannel, entries: list[Entry], name: str) -> None:
         self._channel = channel
         self._entries = entries
         self._index = {e.key: e for e in entries}
@@ -155,6 +99,8 @@ class StateDictChannel:
         self._label = f"channel {name!r}"
         self._publish_lock = threading.Lock()
         self._views: dict[int, dict[str, torch.Tensor]] = {}
+        # id(tensor) -> (weakref, autograd version) of tensors bound to a borrowed version
+        self._borrowed: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._watch = PublisherWatch(channel, name)
         weakref.finalize(self, self._watch.close)
 
@@ -261,8 +207,9 @@ class StateDictChannel:
                 and dtypes.
             version: the new version, above every published one; default: the latest + 1
                 (0 first).
-            timeout: how long to wait when every back buffer is being read (each read holds
-                one only for its copy); ``None`` waits forever.
+            timeout: how long to wait when every back buffer is pinned by readers (a copying
+                read pins one for its copy, a borrow for as long as its tensors live);
+                ``None`` waits forever.
 
         Returns:
             The version published.
@@ -336,6 +283,7 @@ class StateDictChannel:
             PeerDiedError: the publisher died without closing (Note [Publisher death] in
                 ``csrc/exchange/latest.h``), and nothing newer is there.
         """
+        _borrow.unbind(self, target)  # never copy into a borrowed version (borrow_into)
         return self._read(state_of(target, "target"), newer_than, multiple_of, timeout)[0]
 
     def read(self, newer_than: int = -1, *, multiple_of: int = 1,
@@ -347,6 +295,58 @@ class StateDictChannel:
         out = {e.key: torch.empty(e.shape, dtype=e.dtype) for e in self._entries}
         version, _ = self._read(out, newer_than, multiple_of, timeout)
         return version, out
+
+    def borrow_into(self, target: StateLike, newer_than: int = -1, *, multiple_of: int = 1,
+                    timeout: float | None = None) -> int:
+        """Makes ``target``'s tensors views of the newest complete version: no copy.
+
+        Like :meth:`read_into`, but in place: the model's own parameters and buffers (the
+        same objects, ``requires_grad`` kept) are rebound to the version's shared memory,
+        which stays pinned, never written by the publisher, while any of them views it.
+        The next call rebinds them to the newer version and so lets the older one go;
+        :meth:`release` gives the model private copies. Costs O(number of tensors).
+
+        Borrowed tensors must not be written (Note [Borrowed versions] in
+        ``csrc/exchange/latest.h``; run the model in ``eval()`` mode): a write is found at
+        the next call and raises.
+
+        Args:
+            target: an ``nn.Module`` or a state_dict of CPU tensors (its own tensors are
+                rebound) with the template's keys, shapes and dtypes.
+            newer_than: as for :meth:`read_into`.
+            multiple_of: as for :meth:`read_into`.
+            timeout: as for :meth:`read_into`.
+
+        Returns:
+            The version borrowed.
+
+        Raises:
+            BorrowedWriteError: a tensor bound by the previous call was written in place
+                (nothing new is borrowed then).
+            ValueError: ``target`` does not match the template, or holds non-CPU tensors.
+            TimeoutError, ChannelClosedError, PeerDiedError: as for :meth:`read_into`.
+        """
+        return _borrow.borrow_into(self, target, newer_than, multiple_of, seconds(timeout))
+
+    def borrow(self, newer_than: int = -1, *, multiple_of: int = 1,
+               timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """``(version, state_dict)`` like :meth:`read`, but the tensors view the version's
+        shared memory (no copy); it stays pinned while any of them lives.
+
+        Same arguments and errors as :meth:`read_into`; the same rules as
+        :meth:`borrow_into` (do not write the tensors).
+        """
+        return _borrow.borrow(self, newer_than, multiple_of, seconds(timeout))
+
+    def release(self, target: StateLike) -> bool:
+        """Gives ``target``'s borrowed tensors private copies (one copy), so the version it
+        viewed is unpinned once nothing else views it. Returns False when ``target`` held
+        nothing borrowed from this channel.
+
+        Raises:
+            BorrowedWriteError: a borrowed tensor was written in place.
+        """
+        return _borrow.release(self, target)
 
     def _read(self, target: Mapping, newer_than: int, multiple_of: int,
               timeout: float | None) -> tuple[int, int]:
@@ -374,7 +374,7 @@ class StateDictChannel:
             finally:
                 intact = self._channel.end_read(index, slot, version)
             if intact:
-                _bump_versions(dests)
+                bump_versions(dests)
                 return version, published_ns
 
     # ---- helpers -----------------------------------------------------------------------
@@ -382,7 +382,7 @@ class StateDictChannel:
     def _match(self, state: Mapping, verb: str) -> list[torch.Tensor]:
         return match_state(self._entries, self._index, state, verb, self._label)
 
-    def _view(self, index: int, entry: _Entry) -> torch.Tensor:
+    def _view(self, index: int, entry: Entry) -> torch.Tensor:
         views = self._views.get(index)
         if views is None:
             ch = self._channel
@@ -393,7 +393,7 @@ class StateDictChannel:
                 if e.nbytes:
                     itemsize = torch.empty((), dtype=e.dtype).element_size()
                     views[e.key] = torch.empty(0, dtype=e.dtype).set_(
-                        storage, e.offset // itemsize, e.shape, _contiguous_strides(e.shape))
+                        storage, e.offset // itemsize, e.shape, contiguous_strides(e.shape))
             self._views[index] = views
         return views[entry.key]
 
@@ -403,6 +403,13 @@ class StateDictChannel:
         if self._channel.check_publisher():  # a timeout too: no watch thread may have run
             raise PeerDiedError(self._died_message())
         if status == _TIMEOUT:
+            readers = self._channel.state()["readers"]
+            if len(readers) >= _READER_SLOTS:
+                raise TimeoutError(
+                    f"every one of the {_READER_SLOTS} reader slots of {self._label} stayed "
+                    f"held for {timeout} s (pids {sorted({pid for pid, _ in readers})}): each "
+                    "borrowed version holds one while any of its tensors lives; let borrowed "
+                    "state_dicts go, or release() models that are idle")
             raise TimeoutError(
                 f"no version newer than {newer_than} was published on {self._label} within "
                 f"{timeout} s (latest: {self.version}); is the writer alive and publishing?")
@@ -424,56 +431,17 @@ class StateDictChannel:
         readers = sorted({pid for pid, pinned in self._channel.state()["readers"] if pinned})
         raise TimeoutError(
             f"publish: every back buffer of {self._label} stayed pinned by readers (pids "
-            f"{readers}) for {timeout} s; a reader stopped in the middle of a read? Make the "
-            "channel with more buffers, or find the stopped reader")
+            f"{readers}) for {timeout} s: collectors hold borrowed versions (borrow_into, "
+            "copy=False) or a reader stopped in the middle of a read. Make the channel with "
+            "more buffers (collectors + 2 never wait), or find the stalled reader")
 
     def _debug_state(self) -> dict:
         return self._channel.state()
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def _bump_versions(tensors: list[torch.Tensor]) -> None:
-    # Autograd tracks in-place writes by version counters; memcpy bypasses them, so a graph
-    # that saved the old weights would otherwise compute its backward with the new ones.
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    if bump is not None:
-        for t in tensors:
-            if not t.is_inference():  # inference tensors have no version counter
-                bump(t)
-
-
-def _check_entries(entries: object, buffer_bytes: object) -> None:
-    """A pickled channel's layout must describe tensors inside one buffer: every copy in and
-    out of the channel trusts it (a forged nbytes would copy past the caller's tensor)."""
-    if not isinstance(buffer_bytes, int) or not isinstance(entries, list):
-        raise CorruptSegmentError("a pickled StateDictChannel has no valid layout")
-    for e in entries:
-        ok = (isinstance(e, _Entry) and isinstance(e.dtype, torch.dtype)
-              and isinstance(e.shape, tuple)
-              and all(isinstance(d, int) and d >= 0 for d in e.shape)
-              and isinstance(e.offset, int) and isinstance(e.nbytes, int) and e.offset >= 0)
-        if ok:
-            numel = 1
-            for d in e.shape:
-                numel *= d
-            itemsize = torch.empty((), dtype=e.dtype).element_size()
-            ok = e.nbytes == numel * itemsize and e.offset + e.nbytes <= buffer_bytes
-        if not ok:
-            raise CorruptSegmentError(
-                f"a pickled StateDictChannel describes entry {e!r}, which is not a tensor "
-                f"inside its {buffer_bytes}-byte buffers: the pickle was forged or corrupted")
-
-
-def _rebuild(handle: tuple, nbuffers: int, buffer_bytes: int, entries: list[_Entry],
+def _rebuild(handle: tuple, nbuffers: int, buffer_bytes: int, entries: list[Entry],
              name: str) -> StateDictChannel:
-    _check_entries(entries, buffer_bytes)
+    check_entries(entries, buffer_bytes)
     self = StateDictChannel.__new__(StateDictChannel)
     self._setup(_C.LatestChannel(_C.attach(handle), nbuffers, buffer_bytes, False), entries, name)
     return self

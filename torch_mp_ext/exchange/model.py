@@ -6,7 +6,8 @@ Adapted from DI-engine's ``ding/framework/middleware/distributer.py`` (``ModelEx
 - models travel through a :class:`~torch_mp_ext.StateDictChannel` in shared memory (or a
   ``torch.distributed`` broadcast across hosts, ``backend="gloo"``/``"nccl"``), not as a
   pickle on a message bus: the learner copies its state_dict once, each collector copies
-  the newest complete version straight into its model;
+  the newest complete version straight into its model, or (``copy=False``) makes its model
+  view that version in place, with no copy at all;
 - a process's role is an argument (``role=``, or ``mode=`` as in the seed), not a task's;
 - freshness is judged by version numbers and this host's monotonic clock, never by
   comparing wall clocks of two hosts (across hosts ``delay_toleration`` counts from the
@@ -138,14 +139,42 @@ def model_transport(model: torch.nn.Module, channel: StateDictChannel | None, ba
                             learner_rank=learner_rank)
 
 
+def check_copy(copy: bool, receives: bool, backend: str) -> bool:
+    if not isinstance(copy, bool):
+        raise TypeError(f"copy must be True or False, got {copy!r}")
+    if not copy and not receives:
+        raise ValueError("copy=False is for receivers (collectors, evaluators): the learner "
+                         "publishes, and a publish always copies the state once")
+    if not copy and backend != "shm":
+        raise ValueError(
+            f"copy=False reads versions in place in a StateDictChannel (backend='shm'); "
+            f"backend={backend!r} copies each version into the model")
+    return copy
+
+
 class _Receiver:
     """The receiving side shared by both exchangers."""
 
     _model: torch.nn.Module
     _channel: Any
     _role: str
+    _copy: bool
     timeout: float | None
     _name: str
+
+    def _load(self, newer_than: int, **kwargs: Any) -> int:
+        """Loads the newest version above ``newer_than`` into the model: a copy, or a borrow
+        (``copy=False``: the model views it in place, Note [Borrowed versions])."""
+        if self._copy:
+            return self._channel.read_into(self._model, newer_than, **kwargs)
+        return self._channel.borrow_into(self._model, newer_than, **kwargs)
+
+    def release(self) -> None:
+        """Receivers with ``copy=False``: gives the model private copies of the borrowed
+        weights (one copy), so the channel may reuse the version's buffer. Not needed
+        between steps: the next ``receive()`` lets the old version go by itself."""
+        if not self._copy:
+            self._channel.release(self._model)
 
     def _timeout(self, timeout: Any) -> float | None:
         return seconds(self.timeout if timeout is _DEFAULT else timeout)  # Note [Timeout values]
@@ -191,19 +220,26 @@ class ModelExchanger(_Receiver):
         learner_rank: the learner's rank (distributed backends).
         timeout: seconds a receiver waits for a newer model (``None``: forever) before the
             seed's warning.
+        copy: receivers: ``True`` copies each version into the model; ``False`` makes the
+            model's parameters and buffers views of it, with no copy
+            (:meth:`StateDictChannel.borrow_into`: CPU models in ``eval()`` mode that never
+            write their weights; ``backend="shm"``).
 
     Raises:
         ValueError: an unknown role or backend, a missing channel, a model that does not
-            match the channel's template (on ``send``/``receive``, naming the key).
+            match the channel's template (on ``send``/``receive``, naming the key),
+            ``copy=False`` for the learner or another backend.
     """
 
     def __init__(self, model: torch.nn.Module, model_loader: Any = None, *, role: str,
                  channel: StateDictChannel | None = None, backend: str = "shm",
-                 learner_rank: int = 0, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+                 learner_rank: int = 0, timeout: float | None = DEFAULT_TIMEOUT,
+                 copy: bool = True) -> None:
         check_loader(model_loader, "model_loader")
         self._model = model
         self._role = check_role(role, ROLES, "role")
         self._is_learner = role == "learner"
+        self._copy = check_copy(copy, not self._is_learner, backend)
         self._channel = model_transport(model, channel, backend, self._is_learner, learner_rank)
         self._name = getattr(self._channel, "name", "model_exchanger")
         self.timeout = timeout
@@ -240,7 +276,7 @@ class ModelExchanger(_Receiver):
         self._channel.check_peer()
         timeout = self._timeout(timeout)
         try:
-            self._version = self._channel.read_into(self._model, self._version, timeout=timeout)
+            self._version = self._load(self._version, timeout=timeout)
         except TimeoutError:
             self._warn_timeout(self._version, timeout)
             return None
@@ -282,6 +318,7 @@ class PeriodicalModelExchanger(_Receiver):
         backend: as for :class:`ModelExchanger` (the sender is the learner).
         learner_rank: as for :class:`ModelExchanger`.
         timeout: as for :class:`ModelExchanger`.
+        copy: as for :class:`ModelExchanger` (receivers).
 
     Raises:
         ValueError: an unknown mode, a period below 1, a negative toleration.
@@ -291,9 +328,11 @@ class PeriodicalModelExchanger(_Receiver):
                  delay_toleration: float = math.inf, stale_toleration: int = 1,
                  event_name: str = "model_exchanger", model_loader: Any = None, *,
                  channel: StateDictChannel | None = None, backend: str = "shm",
-                 learner_rank: int = 0, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+                 learner_rank: int = 0, timeout: float | None = DEFAULT_TIMEOUT,
+                 copy: bool = True) -> None:
         check_loader(model_loader, "model_loader")
         self._mode = check_role(mode, ("send", "receive"), "mode")
+        self._copy = check_copy(copy, mode == "receive", backend)
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"period must be a positive integer, got {period!r}")
         if not delay_toleration >= 0 or not stale_toleration >= 0:
@@ -360,8 +399,8 @@ class PeriodicalModelExchanger(_Receiver):
                 self._id_counter = version
                 if age < self._delay_toleration:
                     try:
-                        self._model_id = self._channel.read_into(
-                            self._model, self._model_id, multiple_of=self._period, timeout=0)
+                        self._model_id = self._load(self._model_id, multiple_of=self._period,
+                                                    timeout=0)
                     except TimeoutError:
                         continue  # overwritten since the peek by versions of other periods
                     self._model_stale = 1
