@@ -28,7 +28,14 @@ around it:
   and local functions are pickled by value (Note [By-value fallback]);
 - ``GLOO_SOCKET_IFNAME`` picked in each worker (Note [Gloo's interface]), and the agent's
   own address (``local_addr``) picked the same way towards the rendezvous, so nobody
-  advertises a loopback address to other machines;
+  advertises a loopback address to other machines; for the same reason the machine that
+  holds a c10d endpoint is told so (``is_host``: torch matches it by host name);
+- restarts across machines: torch 2.13 gives the workers of every attempt one store (the
+  static rendezvous's, or the c10d rendezvous's shared TCP store), so a restarted group's
+  ``init_process_group`` reads the previous attempt's addresses and gloo's full mesh fails
+  ("Connection refused"). With c10d and ``max_restarts`` :func:`launch` sets torch's opt-out,
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a store per attempt, hosted by rank 0), unless
+  the caller set it; the static rendezvous has none, so it gets a warning;
 - the start: with ``start_method="forkserver"`` (the default) the standard library's
   forkserver the agent uses preloads torch and torch_mp_ext, and the workers start in
   parallel (torch's ``TORCH_MP_PARALLEL_START=1``), unless the caller chose otherwise. Our
@@ -45,6 +52,7 @@ torchrun): that is elastic's design, and the price of its restarts and membershi
 from __future__ import annotations
 
 import ipaddress
+import logging
 import multiprocessing
 import os
 import pickle
@@ -53,13 +61,18 @@ import socket
 import threading
 from typing import Any, Callable
 
+import torch
+
 from ..sharing.byvalue import by_value, probe
 from .netif import set_gloo_socket_ifname, source_address
 
 __all__ = ["LaunchContext", "free_port", "launch"]
 
+logger = logging.getLogger(__name__)
+
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # what elastic's agent takes over
 _SIGNALS_VAR = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # elastic_launch sets it in the caller
+_SHARED_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's opt-out of one store
 _PRELOAD = ["torch", "torch_mp_ext"]
 
 
@@ -289,10 +302,20 @@ def launch(
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if local_addr is None and high > 1:
+    if rdzv_backend == "static" and max_restarts > 0 and high > 1:
+        logger.warning(
+            "launch(max_restarts=%d) with the static rendezvous across %d machines: torch "
+            "%s's static rendezvous keeps one store for every attempt, so a restarted group's "
+            "init_process_group can read the previous attempt's addresses (\"Connection "
+            "refused\" in connectFullMesh). Use rdzv_backend='c10d' (a fresh store per "
+            "attempt) for restarts across machines", max_restarts, high, torch.__version__)
+    if high > 1:  # Note [Gloo's interface]: the host name may resolve to a loopback address
         host = parse_rendezvous_endpoint(endpoint, default_port=29400)[0]
         src = source_address(host)
-        local_addr = None if src is None or ipaddress.ip_address(src).is_loopback else src
+        if local_addr is None and src is not None and not ipaddress.ip_address(src).is_loopback:
+            local_addr = src
+        if rdzv_backend == "c10d" and src == host:  # torch matches the endpoint by host name
+            conf.setdefault("is_host", True)
     logs = DefaultLogsSpecs(log_dir=log_dir, redirects=_std(redirects, "redirects"),
                             tee=_std(tee, "tee"))
     config = LaunchConfig(
@@ -307,6 +330,9 @@ def launch(
     env = {}
     if nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, with its reason: no oversubscription
+    if rdzv_backend == "c10d" and max_restarts > 0:
+        # Note [launch over torch.distributed.elastic]: a fresh workers' store per attempt
+        env[_SHARED_STORE_VAR] = os.environ.get(_SHARED_STORE_VAR, "1")
     if start_method == "forkserver":
         env.setdefault("TORCH_MP_PARALLEL_START", os.environ.get("TORCH_MP_PARALLEL_START", "1"))
         multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
