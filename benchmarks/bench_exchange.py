@@ -23,6 +23,12 @@ single-threaded ``memcpy`` of the same bytes (``ctypes.memmove`` per tensor), in
 while the others are idle.
 
     python benchmarks/bench_exchange.py [--repeats 9] [--mbytes 100]
+
+Two hosts (root: two network namespaces joined by a veth pair): flat (every collector a rank
+receiving over the network) vs hierarchical (one relay per host, shared memory on it); bytes
+the learner sends and time per version (``bench_exchange_hosts.py`` says how):
+
+    sudo python benchmarks/bench_exchange.py --two-hosts [--mbytes 10] [--versions 20]
 """
 
 from __future__ import annotations
@@ -287,8 +293,26 @@ def main() -> int:
     parser.add_argument("--mbytes", type=int, default=100)
     parser.add_argument("--side", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--live", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--two-hosts", action="store_true",
+                        help="the two-host rows instead (root: network namespaces)")
+    parser.add_argument("--versions", type=int, default=20, help="two hosts: versions sent")
+    parser.add_argument("--collectors", type=int, default=COLLECTORS,
+                        help="two hosts: collectors per host")
+    parser.add_argument("--pause", type=float, default=0.5,
+                        help="two hosts: seconds between versions")
     bench_json.add_argument(parser)
     args = parser.parse_args()
+    if args.two_hosts:
+        import bench_exchange_hosts
+
+        rows = bench_exchange_hosts.two_hosts(args)
+        if args.json:
+            bench_json.write(args.json, "bench_exchange", rows,
+                             params={"mbytes": args.mbytes, "versions": args.versions,
+                                     "collectors": args.collectors, "pause": args.pause},
+                             rows_doc="two hosts: learner bytes, a->b bytes and seconds until "
+                                      "every collector loaded a version, per exchange")
+        return 0
     if args.side:
         kind = args.side[0]
         {"tmx": lambda: tmx_side(args.mbytes),
