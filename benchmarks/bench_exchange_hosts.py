@@ -120,6 +120,11 @@ def rank_main(local_rank: int, mode: str, outdir: str, mbytes: int, versions: in
     dist.destroy_process_group()
 
 
+def _load(path: str) -> object:
+    with open(path) as f:
+        return json.load(f)
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30,
                           check=check)
@@ -162,8 +167,8 @@ def run_mode(mode: str, args) -> dict:
                 if p.wait(600) != 0:
                     raise RuntimeError(f"the {mode} run failed (exit code {p.returncode})")
             tx = _tx_bytes(ns["a"], dev["a"]) - tx0
-            learner = json.load(open(os.path.join(outdir, "learner.json")))
-            loads = [json.load(open(os.path.join(outdir, name)))
+            learner = _load(os.path.join(outdir, "learner.json"))
+            loads = [_load(os.path.join(outdir, name))
                      for name in os.listdir(outdir) if name.startswith("collector-")]
         finally:
             for p in procs:

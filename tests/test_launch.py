@@ -9,6 +9,7 @@ import glob
 import logging
 import os
 import signal
+from pathlib import Path
 
 import _spawn_workers as w
 import pytest
@@ -109,8 +110,8 @@ def test_redirects_write_per_rank_logs(tmp_path):
     for rank in (0, 1):
         (out,) = glob.glob(str(tmp_path / "*" / "attempt_0" / str(rank) / "stdout.log"))
         (err,) = glob.glob(str(tmp_path / "*" / "attempt_0" / str(rank) / "stderr.log"))
-        assert f"stdout of rank {rank}" in open(out).read()
-        assert f"stderr of rank {rank}" in open(err).read()
+        assert f"stdout of rank {rank}" in Path(out).read_text()
+        assert f"stderr of rank {rank}" in Path(err).read_text()
 
 
 def test_bad_arguments_are_value_errors(monkeypatch):

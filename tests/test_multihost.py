@@ -63,10 +63,9 @@ class TwoHosts:
     def start(self, host: str, *argv: str) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GLOO_SOCKET_")}
         env["PYTHONUNBUFFERED"] = "1"
-        log = open(self.logs / f"{host}-{len(self.procs)}.log", "w")
-        p = subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], env=env,
-                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        with open(self.logs / f"{host}-{len(self.procs)}.log", "w") as log:
+            p = subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], env=env,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(p)
         return p
 

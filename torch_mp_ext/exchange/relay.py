@@ -226,15 +226,16 @@ class HostRelay:
         self.context_channel: HostContextChannel | None = None
         self.error: BaseException | None = None
         self._ending, self._ended = threading.Lock(), False
-        threads = [("relay", self._relay)]
-        if contexts:
+        threads: list[tuple[str, Any, tuple]] = [("relay", self._relay, ())]
+        if self._net_ctx is not None:
             self._ctx = ContextChannel(name=f"{shm.name} contexts")
             self._ctx._claim_learner()
             self.context_channel = HostContextChannel(self._ctx, _LearnerStatus(status))
-            threads += [("contexts down", self._relay_down), ("contexts up", self._relay_up)]
-        self._threads = [threading.Thread(target=target, daemon=True,
+            threads += [("contexts down", self._relay_down, (self._net_ctx, self._ctx)),
+                        ("contexts up", self._relay_up, (self._net_ctx, self._ctx))]
+        self._threads = [threading.Thread(target=target, args=args, daemon=True,
                                           name=f"torch_mp_ext {what} of {shm.name}")
-                         for what, target in threads]
+                         for what, target, args in threads]
         for t in self._threads:
             t.start()
 
@@ -253,24 +254,24 @@ class HostRelay:
         except BaseException as exc:  # noqa: BLE001  (recorded for collectors and join())
             self._end(_DIED, f"{type(exc).__name__}: {exc}", exc)
 
-    def _relay_down(self) -> None:
+    def _relay_down(self, net: DistContextChannel, local: ContextChannel) -> None:
         version = -1
         try:
             while True:
-                version, payload = self._net_ctx.receive_down(version, None)
-                self._ctx.send_down(payload)
+                version, payload = net.receive_down(version, None)
+                local.send_down(payload)
         except ChannelClosedError:
-            self._ctx.close()
+            local.close()
         except BaseException as exc:  # noqa: BLE001  (recorded for collectors and join())
             self._end(_DIED, f"{type(exc).__name__}: {exc}", exc)
 
-    def _relay_up(self) -> None:
+    def _relay_up(self, net: DistContextChannel, local: ContextChannel) -> None:
         try:
             while True:
-                for item in self._ctx.receive_up(None):
+                for item in local.receive_up(None):
                     if isinstance(item, str) and item == _STOP:
                         return
-                    self._net_ctx.send_up(item)
+                    net.send_up(item)
         except BaseException as exc:  # noqa: BLE001  (recorded for collectors and join())
             self._end(_DIED, f"{type(exc).__name__}: {exc}", exc)
 
@@ -309,7 +310,7 @@ class HostRelay:
     def close(self) -> None:
         """Lets go of the broadcasts' receiving threads (after the learner closed)."""
         self._net.close()
-        if self._ctx is not None:
+        if self._ctx is not None and self._net_ctx is not None:
             self._ctx.send_up(_STOP)  # type: ignore[arg-type]
             self._threads[2].join()
             self._net_ctx.close()  # says goodbye to the learner, ends its down thread
