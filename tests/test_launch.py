@@ -104,6 +104,16 @@ def test_max_restarts_restarts_the_group():
     assert results == {0: 1, 1: 1}
 
 
+@pytest.mark.slow  # elastic membership: the c10d rendezvous's rounds
+def test_elastic_node_count_over_c10d():
+    results = mp.launch(w.all_reduce, nprocs=2, nnodes="1:2", rdzv_backend="c10d",
+                        rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_id="elastic-test",
+                        rdzv_conf={"last_call_timeout": 1})
+    assert sorted(results) == [0, 1]
+    assert {results[r][4]["GROUP_WORLD_SIZE"] for r in results} == {"1"}  # one node came
+    assert {results[r][2] for r in results} == {3.0}
+
+
 @pytest.mark.slow  # per-rank log files: elastic's redirection, one more group start
 def test_redirects_write_per_rank_logs(tmp_path):
     mp.launch(w.print_rank, nprocs=2, log_dir=str(tmp_path), redirects=3)
