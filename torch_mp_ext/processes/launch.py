@@ -43,7 +43,9 @@ around it:
   processes in one method (``LocalElasticAgent._start_workers``), with nothing to plug in;
 - the caller's process is left as it was: ``OMP_NUM_THREADS``, ``TORCH_MP_PARALLEL_START``
   and the signal handlers the agent installs (SIGTERM, SIGINT, SIGHUP, SIGQUIT: torchrun is
-  a process of its own, :func:`launch` is a call) are restored when it returns.
+  a process of its own, :func:`launch` is a call) are restored when it returns. What stays:
+  the standard library's forkserver, if the agent started it (with its preload list), as
+  after any use of that start method.
 
 The agent watches its workers by polling (every ``monitor_interval`` seconds, 0.1 s as in
 torchrun): that is elastic's design, and the price of its restarts and membership changes.
@@ -51,7 +53,6 @@ torchrun): that is elastic's design, and the price of its restarts and membershi
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import multiprocessing
 import os
@@ -64,7 +65,7 @@ from typing import Any, Callable
 import torch
 
 from ..sharing.byvalue import by_value, probe
-from .netif import set_gloo_socket_ifname, source_address
+from .netif import is_loopback, set_gloo_socket_ifname, source_address
 
 __all__ = ["LaunchContext", "free_port", "launch"]
 
@@ -312,7 +313,7 @@ def launch(
     if high > 1:  # Note [Gloo's interface]: the host name may resolve to a loopback address
         host = parse_rendezvous_endpoint(endpoint, default_port=29400)[0]
         src = source_address(host)
-        if local_addr is None and src is not None and not ipaddress.ip_address(src).is_loopback:
+        if local_addr is None and src is not None and not is_loopback(src):
             local_addr = src
         if rdzv_backend == "c10d" and src == host:  # torch matches the endpoint by host name
             conf.setdefault("is_host", True)

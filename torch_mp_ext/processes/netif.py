@@ -25,7 +25,8 @@ import os
 import socket
 import struct
 
-__all__ = ["ENV_VAR", "interface_for", "set_gloo_socket_ifname", "source_address"]
+__all__ = ["ENV_VAR", "interface_for", "is_loopback", "set_gloo_socket_ifname",
+           "source_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,10 @@ _SIOCGIFADDR = 0x8915  # <linux/sockios.h>: an interface's IPv4 address
 _PROBE_PORT = 9  # discard; a UDP connect sends nothing, any port routes the same
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for a loopback address (``127.x``, ``::1``) or ``localhost``."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
     except ValueError:
         return host == "localhost"
 
@@ -86,10 +88,10 @@ def interface_for(host: str) -> str | None:
     """The name of the interface that reaches ``host`` (None for a loopback address, an
     address that does not resolve, or an interface that cannot be found; Note [Gloo's
     interface])."""
-    if _is_loopback(host):
+    if is_loopback(host):
         return None
     src = source_address(host)
-    if src is None or _is_loopback(src):
+    if src is None or is_loopback(src):
         return None
     src = src.split("%")[0]
     if ":" in src:
