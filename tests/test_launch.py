@@ -9,6 +9,7 @@ import glob
 import logging
 import os
 import signal
+import socket
 from pathlib import Path
 
 import _spawn_workers as w
@@ -18,7 +19,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 import torch_mp_ext as mp
 from torch_mp_ext.processes.launch import free_port
-from torch_mp_ext.processes.netif import interface_for, set_gloo_socket_ifname
+from torch_mp_ext.processes.netif import (
+    interface_for,
+    is_loopback,
+    set_gloo_socket_ifname,
+    source_address,
+)
 
 TIMEOUT = 90.0
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -151,3 +157,16 @@ def test_gloo_interface_is_left_alone_on_one_machine(monkeypatch):
     assert "GLOO_SOCKET_IFNAME" not in os.environ
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
     assert set_gloo_socket_ifname("10.0.0.1") == "eth7"  # the user's choice stands
+
+
+def test_gloo_interface_is_the_one_that_routes_to_the_master(monkeypatch):
+    master = "192.0.2.1"  # TEST-NET-1: a UDP connect only looks the route up, sends nothing
+    src = source_address(master)
+    if src is None or is_loopback(src):
+        pytest.skip("no route off this machine")
+    name = interface_for(master)
+    assert name in {n for _, n in socket.if_nameindex()}
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFADDR", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", master)
+    assert set_gloo_socket_ifname() == name == os.environ["GLOO_SOCKET_IFNAME"]
