@@ -122,6 +122,12 @@ def busy(local_rank: int, outdir: str) -> None:
         raise
 
 
+def _wchar() -> int:
+    """Bytes this process passed to write calls (sockets included): /proc/self/io."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
 def _collector(channel, mbytes: int, outdir: str, name: str) -> None:
     model = make_model(mbytes)
     ex = ModelExchanger(model, role="collector", channel=channel, timeout=60)
@@ -166,16 +172,21 @@ def hierarchical(local_rank: int, outdir: str, versions: str = "20", mbytes: str
     if rank == 0:
         ex = ModelExchanger(model, role="learner", backend="gloo")
         dist.barrier()  # every relay's collectors are running
+        sent = []
         for v in range(int(versions)):
             with torch.no_grad():
                 for t in model.state_dict().values():
                     t.fill_(v)
+            before = _wchar()
             ex.send()
+            sent.append(_wchar() - before)
             if v == int(kill_after):
                 write(outdir, "killed-learner", {"at": time.time()})
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.1)
         ex.close()
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        write(outdir, "learner-0", {"copies": sorted(sent)[len(sent) // 2] / nbytes})
     else:
         relay = HostRelay(model)
         ctx = mp.get_context("forkserver")

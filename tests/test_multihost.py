@@ -203,6 +203,9 @@ def test_hierarchical_exchange_to_two_hosts_of_three_collectors(hosts):
         assert all(value == v for v, value in c["reads"]), (name, c["reads"])  # whole ones
         assert versions == sorted(set(versions)) and versions[-1] == 19, (name, versions)
     assert {r["version"] for r in hosts.results("relay").values()} == {19}
+    # the learner wrote one copy per host (its own host's relay and the other's), not one
+    # per collector (6)
+    assert 1.5 < hosts.results("learner")["0"]["copies"] < 2.5
 
 
 def test_a_killed_host_raises_on_every_survivor(hosts):
