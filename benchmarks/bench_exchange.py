@@ -29,6 +29,13 @@ does not fit alone is skipped and says so.
 
     python benchmarks/bench_exchange.py [--repeats 9] [--mbytes 100,1000]
                                         [--collectors 1,3,8,16] [--only zero-copy,copy,...]
+
+Two hosts (root: two network namespaces joined by a veth pair): flat (every collector a rank
+receiving over the network) vs hierarchical (one relay per host, shared memory on it); bytes
+the learner sends and time per version (``bench_exchange_hosts.py`` says how):
+
+    sudo python benchmarks/bench_exchange.py --two-hosts [--mbytes 10] [--versions 20]
+                                             [--collectors 3]
 """
 
 from __future__ import annotations
@@ -388,8 +395,29 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(SHORT),
                         help=f"contenders, comma-separated, of {','.join(SHORT)}")
     parser.add_argument("--side", help=argparse.SUPPRESS)
+    parser.add_argument("--two-hosts", action="store_true",
+                        help="the two-host rows instead (root: network namespaces); then "
+                             "--mbytes is one size (default 10) and --collectors the "
+                             "collectors per host (default 3)")
+    parser.add_argument("--versions", type=int, default=20, help="two hosts: versions sent")
+    parser.add_argument("--pause", type=float, default=0.5,
+                        help="two hosts: seconds between versions")
     bench_json.add_argument(parser)
+    argv = sys.argv[1:]
     args = parser.parse_args()
+    if args.two_hosts:
+        import bench_exchange_hosts
+
+        args.mbytes = int(args.mbytes) if "--mbytes" in argv else 10
+        args.collectors = int(args.collectors) if "--collectors" in argv else 3
+        rows = bench_exchange_hosts.two_hosts(args)
+        if args.json:
+            bench_json.write(args.json, "bench_exchange", rows,
+                             params={"mbytes": args.mbytes, "versions": args.versions,
+                                     "collectors": args.collectors, "pause": args.pause},
+                             rows_doc="two hosts: learner bytes, a->b bytes and seconds until "
+                                      "every collector loaded a version, per exchange")
+        return 0
     if args.side:
         mbytes, n = int(args.mbytes), int(args.collectors)
         kind = args.side

@@ -443,3 +443,95 @@ def collector_until_finished(model_ch, ctx_ch, go, out, backend="shm"):
     out.put((models.version, ends))
     if backend != "shm":
         os._exit(0)  # the group's store lived in the learner: no orderly teardown is possible
+
+
+# ---- the hierarchical exchange (HostRelay) on one host: rank 0 learns, rank 1 relays -----------
+
+
+def relay_learner(versions, kill_after, go, out):
+    """Rank 0: publishes ``versions`` versions of a 4 MB state (each filled with its number)
+    and its ``train_iter``, waits for contexts from both collectors, then closes; SIGKILLs
+    itself after publishing ``kill_after`` instead, if it is >= 0."""
+    import signal
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    state = big_state(4 << 20)
+    models = ModelExchanger(_Stateful(state), role="learner", backend="gloo")
+    contexts = ContextExchanger(role="learner", backend="gloo")
+    go.get(timeout=60)  # the relay's collectors are running
+    for v in range(versions):
+        fill_(state, v)
+        models.send()
+        if v == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        contexts.send(Context(train_iter=v))
+        time.sleep(0.02)
+    senders, deadline = set(), time.monotonic() + 60
+    while senders != {0, 1} and time.monotonic() < deadline:
+        ctx = Context()
+        contexts.receive(ctx, timeout=5)
+        senders.update(ctx.trajectories or ())
+    models.close()
+    contexts.close()
+    out.put(("learner", sorted(senders)))
+    dist.destroy_process_group()
+
+
+def relay_collector(channel, context_channel, out, index):
+    """A process on the relay's host: reads until finished, sending its index up as its
+    trajectories; reports the reads, the learner's newest train_iter and how it ended."""
+    state = big_state(4 << 20)
+    models = ModelExchanger(_Stateful(state), role="collector", channel=channel, timeout=30)
+    contexts = ContextExchanger(role="collector", channel=context_channel, timeout=30)
+    reads, end, ctx = [], "finished", Context(train_iter=-1)
+    try:
+        while not models.finished:
+            v = models.receive()
+            if v is not None:
+                reads.append((v, uniform_value(state)))
+            contexts.receive(ctx)  # total_step 0: takes what is there, does not wait
+            ctx.trajectories = [index]
+            contexts.send(ctx)
+    except Exception as exc:  # noqa: BLE001  (reported to the test)
+        end = type(exc).__name__
+    out.put((index, reads, end))
+
+
+def relay_rank(go, out):
+    """Rank 1: the host's relay (models and contexts) for two collectors (fork children)."""
+    import torch.distributed as dist
+
+    from torch_mp_ext.exchange import HostRelay
+
+    dist.init_process_group("gloo")
+    relay = HostRelay(_Stateful(big_state(4 << 20)), contexts=True)
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=relay_collector,
+                         args=(relay.channel, relay.context_channel, out, i)) for i in range(2)]
+    for p in procs:
+        p.start()
+    go.put(True)
+    try:
+        relay.join(60)
+        end = "finished"
+    except Exception as exc:  # noqa: BLE001  (reported to the test)
+        end = type(exc).__name__
+    for p in procs:
+        p.join(60)
+    if end == "finished":
+        relay.close()  # says goodbye to the learner's context exchange, which waits for it
+    out.put(("relay", relay.version, end))
+    os._exit(0)  # the group's store may have lived in a killed learner: no orderly teardown
+
+
+class _Stateful(torch.nn.Module):
+    """A module whose state_dict is the given dict of tensors (shared, not copied)."""
+
+    def __init__(self, state):
+        super().__init__()
+        self._state = state
+
+    def state_dict(self, *args, **kwargs):
+        return self._state

@@ -128,21 +128,40 @@ def start_grandchild_and_sleep(i, q, start_method):
     time.sleep(120)
 
 
-def dist_env(local_rank, q):
-    q.put({k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                       "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")})
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+            "OMP_NUM_THREADS")
 
 
-def all_reduce(local_rank, q):
+def dist_env(local_rank):
+    """The environment launch() gave this worker (None for a variable it did not set)."""
+    return {k: os.environ.get(k) for k in DIST_ENV}
+
+
+def all_reduce(local_rank):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
-    env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                       "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    q.put((dist.get_rank(), dist.get_world_size(), t.item(), env))
+    out = (dist.get_rank(), dist.get_world_size(), t.item(), dist.is_torchelastic_launched(),
+           dist_env(local_rank))
     dist.destroy_process_group()
+    return out
+
+
+def fail_first_attempt(local_rank, message):
+    """Raises in local rank 1 of the first attempt; returns the attempt number otherwise."""
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0 and local_rank == 1:
+        raise ValueError(message)
+    return attempt
+
+
+def print_rank(local_rank):
+    print(f"stdout of rank {os.environ['RANK']}", flush=True)
+    print(f"stderr of rank {os.environ['RANK']}", file=sys.stderr, flush=True)
 
 
 class FailsOnSecondPickle:

@@ -162,7 +162,21 @@ def child_pids() -> set[int]:
 @pytest.fixture(scope="session", autouse=True)
 def _session_baseline():
     torch_mp_ext._C.fd_server_address()  # one listening socket per process, for good
+    _libuv_global_pipe()
     yield
+
+
+def _libuv_global_pipe() -> None:
+    """torch's TCPStore (libuv) makes one pipe the first time a process runs one, kept for the
+    process's life: made here, before any leak check, since launch() runs elastic's agent,
+    and so a TCPStore, in the test process."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_available():
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30))
+        del store
 
 
 def _leaks(shm_before: set[str], fds_before: set[str]):

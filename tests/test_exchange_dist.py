@@ -5,7 +5,7 @@ from __future__ import annotations
 import _exchange_workers as w
 import pytest
 import torch.distributed as dist
-from test_spawn import get, join_within
+from test_spawn import get
 
 import torch_mp_ext as mp
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 def test_learner_and_two_collectors_over_gloo():
     q = mp.get_context("forkserver").SimpleQueue()
-    join_within(mp.launch(w.gloo_worker, args=(q,), nprocs=3, join=False))
+    mp.launch(w.gloo_worker, args=(q,), nprocs=3)
     results = [get(q) for _ in range(3)]
     (_, published, merged, env_step), = [r for r in results if r[0] == "learner"]
     assert published == list(range(len(published)))
@@ -32,7 +32,7 @@ def test_learner_and_two_collectors_over_gloo():
 
 def test_periodical_exchange_over_gloo():
     q = mp.get_context("forkserver").SimpleQueue()
-    join_within(mp.launch(w.gloo_periodical_worker, args=(q,), nprocs=3, join=False))
+    mp.launch(w.gloo_periodical_worker, args=(q,), nprocs=3)
     results = sorted(get(q) for _ in range(3))
     receivers = [steps for kind, _, steps in results if kind == "receiver"]
     assert len(receivers) == 2

@@ -18,10 +18,12 @@ from ._version import __version__
 from .exchange.channel import StateDictChannel
 from .exchange.context import ContextChannel, ContextExchanger
 from .exchange.model import ModelExchanger, PeriodicalModelExchanger
+from .exchange.relay import HostRelay
 from .pipeline.api import Pipeline, Stage, pipeline, stage
 from .processes.context import default_context as _default_context
 from .processes.forkserver import start_forkserver
 from .processes.launch import launch
+from .processes.netif import set_gloo_socket_ifname
 from .queues.array_queue import ArrayQueue
 from .reductions import init_reductions
 from .sharing.arena import (

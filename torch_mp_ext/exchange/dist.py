@@ -250,6 +250,24 @@ class DistModelChannel:
             self._latest.wait_for(newer_than, multiple_of, timeout, self.name)
             return self._latest.version
 
+    def republish(self, channel: Any, newer_than: int = -1,
+                  timeout: float | None = None) -> int:
+        """Publishes the newest version above ``newer_than`` through ``channel`` (a
+        :class:`~torch_mp_ext.StateDictChannel` of the same template), under its own version
+        number: one copy, from the buffer the broadcast landed in straight into the
+        channel's (Note [Hierarchical exchange] in ``relay.py``).
+
+        Raises:
+            TimeoutError: nothing newer within ``timeout``.
+            ChannelClosedError: the learner closed the exchange.
+            PeerDiedError: the receiving thread failed (the learner died).
+        """
+        with self._latest.cond:
+            self._latest.wait_for(newer_than, 1, timeout, self.name)
+            version = self._latest.version
+            channel.publish(self._views(self._flats[self._front]), version)
+            return version
+
     def read_into(self, target: Any, newer_than: int = -1, *, multiple_of: int = 1,
                   timeout: float | None = None) -> int:
         dests = match_state(self._entries, self._index, state_of(target, "target"), "read_into",

@@ -12,13 +12,16 @@
 - :mod:`.forkcheck`: the warning when a fork leaves other threads behind.
 - :mod:`.exits`: why a process ended, explained.
 - :mod:`.spawn`: ``spawn``/``start_processes``/``ProcessContext`` (torch's algorithm).
-- :mod:`.launch`: local workers ready for ``torch.distributed``.
+- :mod:`.launch`: workers of a ``torch.distributed`` job on torch.distributed.elastic.
+- :mod:`.netif`: ``GLOO_SOCKET_IFNAME`` from the route to the master.
 """
 
 from . import spawn as _spawn
 from .context import default_context
 from .forkserver import start_forkserver
 from .launch import launch
+from .netif import set_gloo_socket_ifname
 from .spawn import *  # noqa: F403  (torch's spawn names: _spawn.__all__)
 
-__all__ = [*_spawn.__all__, "default_context", "launch", "start_forkserver"]
+__all__ = [*_spawn.__all__, "default_context", "launch", "set_gloo_socket_ifname",
+           "start_forkserver"]
