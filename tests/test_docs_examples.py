@@ -31,6 +31,12 @@ by a module fixture; each test waits for its own block. Most of a block's time i
 importing torch, so on 2 cores this more than halves the wall time.
 
 Other languages (``bash``, ``text``) are not run.
+
+Docstrings too: the fenced ``python`` block of an ``Example:`` (or ``Examples:``) section of a
+docstring in ``torch_mp_ext/`` is a block like the others (found with ``ast``, importing
+nothing; a string right after an assignment is that name's docstring, as griffe reads it).
+Each runs as written, in the slow tier (each imports torch: a second or two apiece);
+``tests/test_docs_site.py`` checks that every name of the API reference has one.
 """
 
 from __future__ import annotations
@@ -188,8 +194,40 @@ def script_for(block: Block) -> str:
     return "\n".join(top) + '\n\nif __name__ == "__main__":\n' + body + "\n"
 
 
+_EXAMPLE = re.compile(r"^(?P<indent> *)Examples?:\n(?P=indent) +```python\n(?P<code>.*?)\n *```$",
+                      re.MULTILINE | re.DOTALL)
+
+
+def docstring_examples(path: Path) -> list[Block]:
+    """The ``Example:`` blocks of the docstrings of one module (see the module docstring)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docs: list[tuple[int, str]] = []
+
+    def string_at(stmt: ast.stmt) -> None:
+        if (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+                and isinstance(stmt.value.value, str)):
+            docs.append((stmt.lineno, stmt.value.value))
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            string_at(node.body[0])
+            for before, after in zip(node.body, node.body[1:]):  # attribute docstrings
+                if isinstance(before, (ast.Assign, ast.AnnAssign)):
+                    string_at(after)
+    blocks = []
+    for line, doc in sorted(set(docs)):
+        for m in _EXAMPLE.finditer(doc):
+            code = textwrap.dedent(m.group("code")) + "\n"
+            first = line + doc[:m.start("code")].count("\n")
+            blocks.append(Block(path, first, "python", code,
+                                {"slow": "a docstring example: each imports torch"}))
+    return blocks
+
+
 def python_blocks() -> list[Block]:
-    return [b for p in DOC_FILES for b in parse_blocks(p) if b.language in ("python", "py")]
+    docs = [b for p in DOC_FILES for b in parse_blocks(p) if b.language in ("python", "py")]
+    package = sorted((ROOT / "torch_mp_ext").rglob("*.py"))
+    return docs + [b for p in package for b in docstring_examples(p)]
 
 
 BLOCKS = python_blocks()

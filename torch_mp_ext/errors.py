@@ -55,7 +55,19 @@ __all__ = [
 
 
 class TorchMPExtError(Exception):
-    """Base class of the exceptions defined by torch_mp_ext."""
+    """Base class of the exceptions defined by torch_mp_ext.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import TorchMPExtError
+
+        try:
+            mp.set_sharing_strategy("shared")
+        except TorchMPExtError as e:   # every exception torch_mp_ext defines
+            print(type(e).__name__, e)
+        ```
+    """
 
 
 class SharedMemoryError(TorchMPExtError, OSError):
@@ -63,6 +75,17 @@ class SharedMemoryError(TorchMPExtError, OSError):
 
     ``errno``, ``strerror`` (the whole explanation, with the fix) and ``filename`` (the
     resource) are set as for any ``OSError``.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import SharedMemoryError
+
+        try:
+            buffer = mp.empty(1 << 20)
+        except SharedMemoryError as e:   # an OSError: e.errno is ENOSPC, EMFILE, ...
+            raise SystemExit(f"no shared memory: {e}")
+        ```
     """
 
 
@@ -73,6 +96,17 @@ class SharedMemoryLimitError(SharedMemoryError, MemoryError, RuntimeError):
     A :class:`SharedMemoryError` (an ``OSError``, ``errno.ENOMEM``), a ``MemoryError``, and a
     ``RuntimeError``, which is what ``torch.empty`` raises for such a size ("can't allocate
     memory"): ``except`` clauses written for either keep matching.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import SharedMemoryLimitError
+
+        try:
+            mp.empty(1 << 43)   # 32 TiB of float32
+        except SharedMemoryLimitError as e:   # also a MemoryError: nothing was reserved
+            assert "cannot allocate" in str(e)
+        ```
     """
 
 
@@ -86,7 +120,21 @@ class PeerDiedError(TorchMPExtError, RuntimeError):
 
 class QueueClosedError(TorchMPExtError, ValueError):
     """An operation on a queue object that was closed in this process (``multiprocessing``
-    raises ``ValueError`` there, so this is one)."""
+    raises ``ValueError`` there, so this is one).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import QueueClosedError
+
+        q = mp.Queue()
+        q.close()
+        try:
+            q.put(1)
+        except ValueError as e:   # as multiprocessing raises for a closed queue
+            assert isinstance(e, QueueClosedError)
+        ```
+    """
 
 
 class PipelineError(TorchMPExtError, RuntimeError):
@@ -103,6 +151,22 @@ class PipelineError(TorchMPExtError, RuntimeError):
         pid: that process's pid (this process's for a source iterated here).
         exit_code: ``Process.exitcode`` of a process that died (negative: the signal), else None.
         signal_name: the signal's name (``"SIGKILL"``) when a signal ended it, else None.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import PipelineError
+
+        def bad(items):
+            for x in items:
+                yield 1 / x
+
+        if __name__ == "__main__":
+            try:
+                list(mp.pipeline([1, 0], bad, start_method="fork"))
+            except PipelineError as e:   # every stage was stopped
+                assert isinstance(e.__cause__, ZeroDivisionError)
+        ```
     """
 
     def __init__(self, message: str, *, stage: str = "", position: int = 0, worker: int = 0,
@@ -127,16 +191,58 @@ def _rebuild_pipeline_error(message: str, state: dict) -> PipelineError:
 
 
 class InvalidSharingStrategyError(TorchMPExtError, ValueError, AssertionError):
-    """An unknown sharing strategy name (torch 2.13 raises AssertionError for it)."""
+    """An unknown sharing strategy name (torch 2.13 raises AssertionError for it).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import InvalidSharingStrategyError
+
+        try:
+            mp.set_sharing_strategy("file-system")
+        except ValueError as e:   # torch code catching AssertionError catches it too
+            assert isinstance(e, (InvalidSharingStrategyError, AssertionError))
+        ```
+    """
 
 
 class ChannelClosedError(TorchMPExtError, EOFError):
     """A :class:`~torch_mp_ext.StateDictChannel` (or an exchanger on it) was closed: no
-    newer version will come, or no version may be published any more."""
+    newer version will come, or no version may be published any more.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import ChannelClosedError
+
+        channel = mp.StateDictChannel({"w": torch.zeros(3)})
+        channel.close()
+        try:
+            channel.read(timeout=1)
+        except ChannelClosedError:   # an EOFError: no version will come
+            pass
+        ```
+    """
 
 
 class TaskError(TorchMPExtError):
-    """Base class of the errors a :class:`~torch_mp_ext.TaskPool` puts in a task's refs."""
+    """Base class of the errors a :class:`~torch_mp_ext.TaskPool` puts in a task's refs.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import TaskError
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                pool.shutdown()
+                try:
+                    pool.submit(abs, -1)
+                except TaskError as e:   # any failure the pool reports
+                    print(type(e).__name__)
+        ```
+    """
 
 
 class RemoteTaskError(TaskError, RuntimeError):
@@ -158,6 +264,24 @@ class ReturnCountError(TaskError, ValueError):
         expected: ``num_returns``.
         produced: how many values it produced (for too many: how many it had yielded when
             the pool stopped it, ``expected + 1``).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import ReturnCountError
+
+        def one_value():
+            yield 1
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                first, second = pool.submit(one_value, num_returns=2)
+                assert first.get(timeout=60) == 1
+                try:
+                    second.get(timeout=60)
+                except ReturnCountError:
+                    pass
+        ```
     """
 
     def __init__(self, message: str, expected: int, produced: int) -> None:
@@ -176,6 +300,21 @@ class WorkerDiedError(TaskError, RuntimeError):
         pid: the worker's pid.
         exit_code: its exit code, negative for a signal.
         signal_name: the signal's name (``"SIGKILL"``), or ``None``.
+
+    Example:
+        ```python
+        import os
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import WorkerDiedError
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                try:
+                    pool.submit(os._exit, 3).get(timeout=60)
+                except WorkerDiedError as e:   # the pool has started a replacement
+                    print(e)
+                assert pool.submit(abs, -2).get(timeout=60) == 2
+        ```
     """
 
     def __init__(self, message: str, pid: int | None = None, exit_code: int | None = None,
@@ -191,16 +330,70 @@ class WorkerDiedError(TaskError, RuntimeError):
 
 class TaskCancelledError(TaskError, concurrent.futures.CancelledError):
     """The task was cancelled (``RefGenerator.cancel()``, or ``shutdown(cancel_pending=True)``)
-    before it produced this value."""
+    before it produced this value.
+
+    Example:
+        ```python
+        import itertools
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import TaskCancelledError
+
+        def forever():
+            yield from itertools.count()
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                stream = pool.submit(forever, num_returns="streaming", max_buffered=4)
+                assert next(stream).get(timeout=60) == 0
+                stream.cancel()
+                try:
+                    for ref in stream:
+                        ref.get(timeout=60)
+                except TaskCancelledError:
+                    pass
+        ```
+    """
 
 
 class GetTimeoutError(TaskError, TimeoutError):
-    """``get``/``next`` with a ``timeout`` found no value in time (the task goes on)."""
+    """``get``/``next`` with a ``timeout`` found no value in time (the task goes on).
+
+    Example:
+        ```python
+        import time
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import GetTimeoutError
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                ref = pool.submit(time.sleep, 1.0)
+                try:
+                    ref.get(timeout=0.01)
+                except TimeoutError as e:   # the task goes on: get() again later
+                    assert isinstance(e, GetTimeoutError)
+                ref.get(timeout=60)
+        ```
+    """
 
 
 class PoolClosedError(TaskError, RuntimeError):
     """``submit`` on a :class:`~torch_mp_ext.TaskPool` that was shut down, or a task that the
-    shutdown stopped before it ran."""
+    shutdown stopped before it ran.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import PoolClosedError
+
+        if __name__ == "__main__":
+            pool = mp.TaskPool(1, start_method="fork")
+            pool.shutdown()
+            try:
+                pool.submit(abs, -1)
+            except PoolClosedError:
+                pass
+        ```
+    """
 
 
 class DataLoaderWorkerError(TorchMPExtError, RuntimeError):
@@ -285,6 +478,21 @@ def oserror(err: int, message: str, resource: str) -> OSError:
 
     Resource exhaustion becomes :class:`SharedMemoryError`; anything else the ``OSError``
     subclass Python picks for the errno (``FileNotFoundError`` for ENOENT, ...).
+
+    Args:
+        err: the ``errno`` value.
+        message: what failed, and why.
+        resource: the file, segment or queue it failed on (the exception's ``filename``).
+
+    Example:
+        ```python
+        import errno
+        from torch_mp_ext.errors import SharedMemoryError, oserror
+
+        e = oserror(errno.ENOSPC, "ftruncate failed", "/dev/shm/tmx_1_ab")
+        assert isinstance(e, SharedMemoryError) and e.errno == errno.ENOSPC
+        assert type(oserror(errno.ENOENT, "open failed", "x")) is FileNotFoundError
+        ```
     """
     if err in _OSERROR_AS_SHARED_MEMORY:
         return SharedMemoryError(err, _with_fd_fix(err, message), resource)
@@ -292,7 +500,24 @@ def oserror(err: int, message: str, resource: str) -> OSError:
 
 
 class RemoteTraceback(Exception):
-    """The formatted traceback of an exception raised in another process."""
+    """The formatted traceback of an exception raised in another process.
+
+    Args:
+        tb: the traceback's text, as ``traceback.format_exception`` writes it.
+
+    Example:
+        ```python
+        import pickle
+        from torch_mp_ext.errors import RemoteTraceback, with_traceback
+
+        try:
+            int("x")
+        except ValueError as e:
+            received = pickle.loads(pickle.dumps(with_traceback(e)))
+        assert isinstance(received.__cause__, RemoteTraceback)
+        assert 'int("x")' in str(received.__cause__)
+        ```
+    """
 
     def __init__(self, tb: str) -> None:
         super().__init__(tb)
@@ -312,6 +537,23 @@ class ExceptionWithTraceback:
 
     Unpickled, it *is* the original exception, with ``__cause__`` set to a
     :class:`RemoteTraceback` holding the remote stack.
+
+    Args:
+        exc: the exception.
+        tb: its traceback (default: ``exc.__traceback__``).
+
+    Example:
+        ```python
+        import pickle
+        from torch_mp_ext.errors import ExceptionWithTraceback
+
+        try:
+            {}["missing"]
+        except KeyError as e:
+            data = pickle.dumps(ExceptionWithTraceback(e))
+        err = pickle.loads(data)   # the KeyError itself, its stack as __cause__
+        assert isinstance(err, KeyError) and "missing" in str(err.__cause__)
+        ```
     """
 
     def __init__(self, exc: BaseException, tb: Any = None) -> None:
@@ -326,7 +568,23 @@ class ExceptionWithTraceback:
 
 
 def with_traceback(exc: BaseException) -> ExceptionWithTraceback:
-    """Wraps ``exc`` so that it crosses a pickle with its traceback as ``__cause__``."""
+    """Wraps ``exc`` so that it crosses a pickle with its traceback as ``__cause__``.
+
+    Args:
+        exc: an exception that was raised (its ``__traceback__`` is formatted).
+
+    Example:
+        ```python
+        import pickle
+        from torch_mp_ext.errors import with_traceback
+
+        try:
+            1 / 0
+        except ZeroDivisionError as e:
+            err = pickle.loads(pickle.dumps(with_traceback(e)))
+        assert isinstance(err, ZeroDivisionError) and "1 / 0" in str(err.__cause__)
+        ```
+    """
     return ExceptionWithTraceback(exc)
 
 
@@ -342,6 +600,22 @@ class ProcessFailure:
         reason: one word for what happened: ``"raised"``, ``"exit_code"``, ``"oom_kill"``,
             ``"bus_error"``, ``"segfault"``, ``"abort"`` or ``"signal"``.
         summary: one line saying what happened (the exception, or the signal's meaning).
+
+    Example:
+        ```python
+        import os
+        import torch_mp_ext as mp
+
+        def work(rank):
+            os._exit(3 + rank)
+
+        if __name__ == "__main__":
+            try:
+                mp.start_processes(work, nprocs=2, start_method="fork")
+            except mp.ProcessExitedException as e:
+                for failure in e.failures:   # ProcessFailure: the reported one first
+                    print(failure.index, failure.exit_code, failure.reason)
+        ```
     """
 
     index: int
@@ -358,6 +632,21 @@ class ProcessException(_TorchProcessException, TorchMPExtError):
     A ``torch.multiprocessing.spawn.ProcessException`` too, with its constructor,
     ``error_index`` and ``error_pid``; ``pid`` is an alias of ``error_pid`` (torch < 1.13's
     name). ``failures`` lists every process that failed, the reported one first.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import ProcessException
+
+        def work(rank):
+            raise RuntimeError(f"rank {rank} failed")
+
+        if __name__ == "__main__":
+            try:
+                mp.start_processes(work, nprocs=1, start_method="fork")
+            except ProcessException as e:   # raised or exited; torch's class too
+                assert e.error_index == 0 and e.pid == e.error_pid
+        ```
     """
 
     failures: tuple[ProcessFailure, ...] = ()
@@ -378,6 +667,20 @@ class ProcessRaisedException(ProcessException, _TorchProcessRaisedException):
     The message is torch's (it ends with the last line of the child's traceback). When the
     child's exception could be pickled it is this exception's ``__cause__``, itself caused
     by a :class:`RemoteTraceback` holding the child's stack.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def work(rank):
+            raise KeyError("weights.pt")
+
+        if __name__ == "__main__":
+            try:
+                mp.start_processes(work, nprocs=1, start_method="fork")
+            except mp.ProcessRaisedException as e:
+                assert isinstance(e.__cause__, KeyError)   # the child's exception object
+        ```
     """
 
 
@@ -387,4 +690,20 @@ class ProcessExitedException(ProcessException, _TorchProcessExitedException):
     ``exit_code`` is negative for a signal, whose name is ``signal_name``; the message says
     what the signal usually means (an OOM kill, a full ``/dev/shm``, a segfault with the
     child's stack).
+
+    Example:
+        ```python
+        import os
+        import signal
+        import torch_mp_ext as mp
+
+        def work(rank):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        if __name__ == "__main__":
+            try:
+                mp.start_processes(work, nprocs=1, start_method="fork")
+            except mp.ProcessExitedException as e:
+                assert e.signal_name == "SIGTERM" and e.exit_code == -signal.SIGTERM
+        ```
     """

@@ -55,6 +55,19 @@ class ContextChannel:
             payloads (default: torch_mp_ext's, so tensors in trajectories are shared, not
             copied).
         name: names the channel in errors.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        channel = mp.ContextChannel()   # made in the parent, passed to every process
+        channel.send_up({"env_step": 64})   # a collector's payload
+        assert channel.receive_up(timeout=60) == [{"env_step": 64}]
+        channel.send_down({"train_iter": 1})   # the learner's
+        version, payload = channel.receive_down(newer_than=-1, timeout=60)
+        assert payload == {"train_iter": 1}
+        channel.close()
+        ```
     """
 
     def __init__(self, *, capacity: int = 1 << 16, ctx: Any = None,
@@ -82,10 +95,22 @@ class ContextChannel:
         self._down._claim_publisher()
 
     def send_up(self, payload: dict) -> None:
+        """Collector: queues ``payload`` (a dict of context fields) for the learner.
+
+        Args:
+            payload: picklable; its tensors and arrays travel through shared memory.
+        """
         self._up.put(payload)
 
     def receive_up(self, timeout: float | None) -> list:
-        """Blocks for one payload (up to ``timeout``), then takes every one already there."""
+        """Learner: blocks for one payload, then takes every one already there.
+
+        Args:
+            timeout: most seconds to wait for the first payload (``None``: for ever).
+
+        Returns:
+            The payloads in the order they were sent; empty if ``timeout`` passed first.
+        """
         try:
             items = [self._up.get(timeout=timeout)]
         except queue.Empty:
@@ -97,6 +122,14 @@ class ContextChannel:
                 return items
 
     def send_down(self, payload: dict) -> None:
+        """Learner: publishes ``payload`` as the newest version for every collector.
+
+        Args:
+            payload: picklable; replaces the previous one (collectors read the newest).
+
+        Raises:
+            ValueError: ``payload`` pickles to more than the channel's ``capacity`` bytes.
+        """
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > self._capacity:
             raise ValueError(
@@ -107,11 +140,26 @@ class ContextChannel:
         self._down.publish({"nbytes": torch.tensor([len(data)]), "payload": buf})
 
     def receive_down(self, newer_than: int, timeout: float | None) -> tuple[int, Any]:
+        """Collector: waits for a payload newer than version ``newer_than`` and reads it.
+
+        Args:
+            newer_than: the last version this collector read (``-1``: none yet).
+            timeout: most seconds to wait (``None``: for ever).
+
+        Returns:
+            ``(version, payload)`` of the newest payload.
+
+        Raises:
+            TimeoutError: no newer version within ``timeout``.
+            ChannelClosedError: the learner closed the channel and nothing newer is there.
+            PeerDiedError: the learner died without closing it, and nothing newer is there.
+        """
         version, state = self._down.read(newer_than, timeout=timeout)
         nbytes = int(state["nbytes"][0])
         return version, pickle.loads(state["payload"][:nbytes].numpy().tobytes())
 
     def close(self) -> None:
+        """Learner: ends the channel; waiting collectors return and ``closed`` turns True."""
         self._down.close()
 
 

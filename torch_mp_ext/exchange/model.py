@@ -61,6 +61,15 @@ class Context:
     """The fields of DI-engine's ``OnlineRLContext`` that the exchangers read and write.
 
     Any object with these attributes (DI-engine's own contexts included) works as well.
+
+    Example:
+        ```python
+        from torch_mp_ext.exchange import Context
+
+        ctx = Context()
+        ctx.train_iter += 1
+        assert ctx.total_step == 0 and ctx.trajectories is None
+        ```
     """
 
     total_step: int = 0
@@ -78,6 +87,28 @@ def run_step(ctx: Any, *middleware: Callable[[Any], Any]) -> None:
     Each middleware is called in order; one that returns a generator runs to its ``yield``
     and is resumed after the rest of the pipeline, innermost first (``task.forward`` then
     ``task.backward`` in DI-engine).
+
+    Args:
+        ctx: the context every middleware reads and writes (a :class:`Context`).
+        *middleware: callables ``f(ctx)``, in pipeline order (the exchangers are some).
+
+    Example:
+        ```python
+        from torch_mp_ext.exchange import Context, run_step
+
+        calls = []
+
+        def outer(ctx):
+            calls.append("forward")
+            yield
+            calls.append("backward")
+
+        def inner(ctx):
+            calls.append("step")
+
+        run_step(Context(), outer, inner)
+        assert calls == ["forward", "step", "backward"]
+        ```
     """
     pending = []
     for fn in middleware:
@@ -195,6 +226,31 @@ class ModelExchanger(_Receiver):
     Raises:
         ValueError: an unknown role or backend, a missing channel, a model that does not
             match the channel's template (on ``send``/``receive``, naming the key).
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+
+        def collector(channel):
+            model = torch.nn.Linear(4, 2)
+            models = mp.ModelExchanger(model, role="collector", channel=channel)
+            models.receive(timeout=60)   # the newest weights, copied into the model in place
+            assert model.bias.eq(1).all()
+
+        if __name__ == "__main__":
+            model = torch.nn.Linear(4, 2)
+            channel = mp.StateDictChannel(model)
+            models = mp.ModelExchanger(model, role="learner", channel=channel)
+            with torch.no_grad():
+                model.bias.fill_(1)
+            models.send()
+            p = mp.Process(target=collector, args=(channel,))
+            p.start()
+            p.join(60)
+            assert p.exitcode == 0
+            models.close()
+        ```
     """
 
     def __init__(self, model: torch.nn.Module, model_loader: Any = None, *, role: str,

@@ -84,6 +84,20 @@ def launch(
     Raises:
         ValueError: a bad ``nprocs``, ``nnodes`` or ``node_rank``, or several machines without
             ``master_addr``/``master_port``.
+
+    Example:
+        ```python
+        import torch.distributed as dist
+        import torch_mp_ext as mp
+
+        def train(local_rank):
+            dist.init_process_group("gloo")   # MASTER_ADDR, RANK, WORLD_SIZE are set
+            assert dist.get_world_size() == 2
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.launch(train, nprocs=2)
+        ```
     """
     if nprocs < 1 or nnodes < 1:
         raise ValueError(f"nprocs and nnodes must be >= 1, got nprocs={nprocs}, nnodes={nnodes}")
