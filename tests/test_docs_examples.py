@@ -61,39 +61,9 @@ DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 DEFAULT_TIMEOUT_S = 120.0  # generous: 2 shared cores under load start spawn workers slowly
 JOBS = int(os.environ.get("DOC_EXAMPLE_JOBS", 3))
 
-# Code that fragments assume, named by their <!-- setup: NAME --> marker.
-SETUPS = {
-    # docs/tasks.md: "pool" is the TaskPool of the page's first example.
-    "task-pool": """
-        import numpy as np
-        import torch_mp_ext as mp
-        pool = mp.TaskPool(2)
-    """,
-    # docs/tasks.md's first example loads frames from a directory.
-    "npy-frames": """
-        import os
-        import numpy as np
-        os.makedirs("frames", exist_ok=True)
-        for i in range(1000):
-            np.save(f"frames/{i}.npy", np.full((64, 64), i, dtype=np.float32))
-    """,
-    # docs/pipelines.md: files to decode and a training step to feed.
-    "npy-paths": """
-        import numpy as np
-        import torch_mp_ext as mp
-        paths = [f"{i}.npy" for i in range(96)]
-        for i, path in enumerate(paths):
-            np.save(path, np.full((16, 16), i, dtype=np.float32))
-        def train_step(batch):
-            assert batch.shape == (32, 16, 16)
-    """,
-    # docs/processes.md: a `train` whose workers raise.
-    "failing-train": """
-        import torch_mp_ext as mp
-        def train(rank):
-            raise ValueError(f"legitimate exception from process {rank}")
-    """,
-}
+# Code that fragments assume, named by their <!-- setup: NAME --> marker. The docs use none:
+# an example a reader copies must run as shown (test_no_block_hides_its_setup).
+SETUPS: dict[str, str] = {}
 
 _FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _MARKER = re.compile(
@@ -303,6 +273,13 @@ def test_every_doc_file_is_collected():
                 assert b.markers[reasoned], f"{b.id}: a {reasoned} marker needs its reason"
         if "setup" in b.markers and b.markers["setup"] not in SETUPS:
             compile(b.markers["setup"], b.id, "exec")
+
+
+def test_no_block_hides_its_setup():
+    """What a block needs is in it, or in the earlier block it visibly continues: a
+    ``setup`` marker is an HTML comment, which the rendered page does not show."""
+    hidden = [b.id for b in BLOCKS if "setup" in b.markers]
+    assert not hidden, f"blocks whose setup the reader cannot see: {hidden}"
 
 
 def test_parser_reads_markers(tmp_path):
