@@ -448,7 +448,8 @@ class CudaSharingWarning(RuntimeWarning):
 class ForkAfterThreadsWarning(RuntimeWarning):
     """A child is started with the ``fork`` start method while the parent runs other threads
     (Python or native: OpenMP/MKL pools, tokenizers, gRPC), whose locks the child inherits
-    held: the random-hang risk of Note [Fork after threads] (``processes/forkcheck.py``).
+    held: a child may then hang at random (Note [Fork after threads] in
+    ``processes/forkcheck.py``).
 
     Emitted once per process, naming the threads; silence it with
     ``warnings.filterwarnings("ignore", category=ForkAfterThreadsWarning)``.

@@ -86,8 +86,8 @@ __all__ = [
 
 shared_cache = _records.shared_cache
 """Storages rebuilt or sent by this process, by handle: the same block rebuilds as the same
-storage (torch's ``shared_cache``, keyed by our handles; lean records share it: Note [Lean
-tensor records] in ``sharing/records.py``).
+storage (torch's ``shared_cache``, keyed by our handles; compact tensor records share it
+(Note [Lean tensor records] in ``sharing/records.py``)).
 
 Example:
     ```python

@@ -41,7 +41,7 @@ def share_dataset(dataset: T, *, attrs: Optional[Iterable[str]] = None, min_item
 
     After this, DataLoader workers read the dataset's samples without copying them (no
     copy-on-read under fork) and receive it as a few handles (no pickled copy per worker
-    under spawn and forkserver). See Note [What share_dataset converts] for what changes.
+    under spawn and forkserver) (Note [What share_dataset converts] says what changes).
 
     Args:
         dataset: any object with a ``__dict__``, usually a ``torch.utils.data.Dataset``.

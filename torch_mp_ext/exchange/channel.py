@@ -214,8 +214,8 @@ class StateDictChannel:
 
     def check_peer(self) -> None:
         """Raises :class:`~torch_mp_ext.errors.PeerDiedError` if the publisher died without
-        closing the channel. Cheap (no system call once this process watches the
-        publisher: Note [Publisher death] in ``csrc/exchange/latest.h``)."""
+        closing the channel. Cheap: no system call once this process watches the publisher
+        (Note [Publisher death] in ``csrc/exchange/latest.h``)."""
         if self.publisher_died:
             raise PeerDiedError(self._died_message())
 

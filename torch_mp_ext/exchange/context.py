@@ -10,7 +10,7 @@ semantics; changes:
   :class:`~torch_mp_ext.StateDictChannel` (``backend="gloo"``/``"nccl"``: over
   ``torch.distributed`` instead, Note [Exchange over torch.distributed]);
 - a process's role is an argument (``"learner"`` or ``"collector"``);
-- waits have timeouts: the seed's learner waits forever (``timeout=None``, the default for
+- waits have timeouts: DI-engine's learner waits forever (``timeout=None``, the default for
   it), its collectors 60 s, then warn naming the process; a closed channel ends waits.
 
 Each step, a collector merges the learner's newest payload (``train_iter``), waiting for a
@@ -179,7 +179,7 @@ class ContextExchanger:
             objects).
         learner_rank: the learner's rank (distributed backends).
         timeout: seconds to wait for the other side; default: forever for the learner,
-            60 s for collectors (the seed's).
+            60 s for collectors (DI-engine's).
 
     Raises:
         ValueError: an unknown role or backend, a missing channel, a storage loader.
@@ -232,11 +232,11 @@ class ContextExchanger:
     # ---- plain calls ---------------------------------------------------------------------
 
     def receive(self, ctx: Any, timeout: float | None = _DEFAULT) -> bool:
-        """Merges what the other side sent into ``ctx`` (the seed's ``merge``).
+        """Merges what the other side sent into ``ctx`` (DI-engine's ``merge``).
 
         The learner waits for at least one collector payload; a collector waits for a new
         learner payload once ``ctx.total_step >= skip_n_iter``. A wait that times out logs
-        the seed's warning, naming this process, and merges nothing.
+        DI-engine's warning, naming this process, and merges nothing.
 
         Args:
             ctx: the step's context (``Context`` or any object with its fields).
@@ -291,7 +291,7 @@ class ContextExchanger:
             self._channel.close()
 
     def __call__(self, ctx: Any) -> Generator[None, None, None]:
-        """The seed's middleware: merge, run the step, send."""
+        """DI-engine's middleware: merge, run the step, send."""
         self.receive(ctx)
         yield
         self.send(ctx)
@@ -301,7 +301,7 @@ class ContextExchanger:
                        "%s within %s s", process_label(self._role),
                        "collectors" if self._is_learner else "learner", timeout)
 
-    # ---- the seed's hooks ----------------------------------------------------------------
+    # ---- DI-engine's hooks ----------------------------------------------------------------
 
     def put(self, payload: dict) -> None:
         """Takes a received payload in, one ``_put_<key>`` handler per key."""

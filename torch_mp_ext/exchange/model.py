@@ -7,17 +7,17 @@ Adapted from DI-engine's ``ding/framework/middleware/distributer.py`` (``ModelEx
   ``torch.distributed`` broadcast across hosts, ``backend="gloo"``/``"nccl"``), not as a
   pickle on a message bus: the learner copies its state_dict once, each collector copies
   the newest complete version straight into its model;
-- a process's role is an argument (``role=``, or ``mode=`` as in the seed), not a task's;
+- a process's role is an argument (``role=``, or ``mode=`` as in DI-engine), not a task's;
 - freshness is judged by version numbers and this host's monotonic clock, never by
   comparing wall clocks of two hosts (across hosts ``delay_toleration`` counts from the
   moment a version arrived);
-- every wait has a timeout (the seed's 60 s by default) that logs the seed's warning, naming
-  the process; a closed channel ends waits at once (the seed's ``task.finish``);
-- the seed's busy spin on a cached model older than ``delay_toleration`` is a plain wait for
+- every wait has a timeout (DI-engine's 60 s by default) that logs DI-engine's warning, naming
+  the process; a closed channel ends waits at once (DI-engine's ``task.finish``);
+- DI-engine's busy spin on a cached model older than ``delay_toleration`` is a plain wait for
   a fresher one.
 
 Both classes work as plain calls in a training loop (``send()``, ``receive(timeout=...)``)
-and as the seed's middleware: calling one with a context returns the step generator that
+and as DI-engine's middleware: calling one with a context returns the step generator that
 DI-engine's task (or :func:`run_step`) drives::
 
     learner                                      collector
@@ -51,7 +51,7 @@ __all__ = ["Context", "ModelExchanger", "PeriodicalModelExchanger", "run_step"]
 logger = logging.getLogger("torch_mp_ext.exchange")
 
 ROLES = ("learner", "collector", "evaluator")
-#: The seed's patience: a receiver waits this long for a model, then warns and goes on.
+#: DI-engine's patience: a receiver waits this long for a model, then warns and goes on.
 DEFAULT_TIMEOUT = 60.0
 _DEFAULT: Any = object()  # "the exchanger's own timeout"
 
@@ -220,8 +220,8 @@ class ModelExchanger(_Receiver):
             ``"nccl"``; the learner's rank broadcasts each version to every rank of the
             default process group, and all ranks make their exchangers in one order.
         learner_rank: the learner's rank (distributed backends).
-        timeout: seconds a receiver waits for a newer model (``None``: forever) before the
-            seed's warning.
+        timeout: seconds a receiver waits for a newer model (``None``: forever) before
+            DI-engine's warning.
 
     Raises:
         ValueError: an unknown role or backend, a missing channel, a model that does not
@@ -285,7 +285,7 @@ class ModelExchanger(_Receiver):
             timeout: seconds to wait (default: the exchanger's; ``None`` forever).
 
         Returns:
-            The version loaded, or None when none came within ``timeout`` (after the seed's
+            The version loaded, or None when none came within ``timeout`` (after DI-engine's
             warning, naming this process) or the channel is closed.
 
         Raises:
@@ -305,7 +305,7 @@ class ModelExchanger(_Receiver):
         return self._version
 
     def __call__(self, ctx: Any) -> Generator[None, None, None]:
-        """The seed's middleware: a learner sends after the step, the others load the newest
+        """DI-engine's middleware: a learner sends after the step, the others load the newest
         model before every step but the first (``ctx.total_step == 0``)."""
         if not self._is_learner:
             if ctx.total_step != 0:  # Skip first iteration
@@ -332,7 +332,7 @@ class PeriodicalModelExchanger(_Receiver):
         delay_toleration: seconds after its publication a version may still be loaded (on
             this host's monotonic clock; across hosts, counted from its arrival).
         stale_toleration: iterations a receiver may go on with the weights it has.
-        event_name: the seed's bus topic; here it names the exchanger in warnings.
+        event_name: DI-engine's bus topic; here it names the exchanger in warnings.
         model_loader: must be None (see :class:`ModelExchanger`).
         channel: as for :class:`ModelExchanger`.
         backend: as for :class:`ModelExchanger` (the sender is the learner).
@@ -397,7 +397,7 @@ class PeriodicalModelExchanger(_Receiver):
 
         Returns:
             The version loaded, or None when the weights were reused, the wait timed out
-            (after the seed's warning, naming this process) or the channel is closed.
+            (after DI-engine's warning, naming this process) or the channel is closed.
 
         Raises:
             PeerDiedError: the sender died without closing the channel.
@@ -440,7 +440,7 @@ class PeriodicalModelExchanger(_Receiver):
                 return None
 
     def __call__(self, ctx: Any) -> Generator[None, None, None]:
-        """The seed's middleware: receivers update before every step but the first, the
+        """DI-engine's middleware: receivers update before every step but the first, the
         sender publishes after the step every ``period`` iterations."""
         if self._mode == "receive":
             if ctx.total_step != 0:  # Skip first iteration

@@ -370,7 +370,7 @@ def stage(buffer_size: Any = 3, *, start_method: Optional[str] = None) -> Any:
 
     ``f(g(h(xs())))`` becomes one pipeline: h, g and f each in a process of their own, joined
     by queues holding at most ``buffer_size`` of each stage's results, iterated by the
-    caller. The seed of this API is the ``parallel_pipeline`` decorator of a Stack Overflow
+    caller. This API started from the ``parallel_pipeline`` decorator of a Stack Overflow
     answer; unlike it, the results are not pickled (arrays and tensors cross as handles), a
     failure reaches the caller, stopping early stops every process, and it works under every
     start method.
