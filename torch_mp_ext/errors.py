@@ -111,11 +111,51 @@ class SharedMemoryLimitError(SharedMemoryError, MemoryError, RuntimeError):
 
 
 class CorruptSegmentError(TorchMPExtError, RuntimeError):
-    """A shared-memory segment is not ours, of another layout version, or a handle is stale."""
+    """A shared-memory segment is not ours, of another layout version, or a handle is stale.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import CorruptSegmentError
+        from torch_mp_ext.reductions import reduce_storage
+
+        rebuild, (cls, handle, offset, nbytes) = reduce_storage(mp.empty(4).untyped_storage())
+        forged = handle[:2] + (handle[2] + 1,) + handle[3:]   # a wrong secret
+        try:
+            rebuild(cls, forged, offset, nbytes)
+        except CorruptSegmentError as e:   # raised, never a crash
+            print(e)
+        ```
+    """
 
 
 class PeerDiedError(TorchMPExtError, RuntimeError):
-    """A process died while holding shared state that could not be repaired."""
+    """A process died while holding shared state that could not be repaired.
+
+    Example:
+        ```python
+        import os
+        import signal
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import PeerDiedError
+
+        def producer(q):
+            q.put(b"x" * (1 << 20))   # 1 MB: out of line, in a block of this process
+            os.kill(os.getpid(), signal.SIGKILL)   # gone before anyone mapped it
+
+        if __name__ == "__main__":
+            q = mp.Queue()
+            p = mp.Process(target=producer, args=(q,))
+            p.start()
+            p.join(60)
+            try:
+                q.get(timeout=60)
+            except PeerDiedError as e:   # that item only: the queue goes on
+                print(e)
+            q.put(1)
+            assert q.get(timeout=60) == 1
+        ```
+    """
 
 
 class QueueClosedError(TorchMPExtError, ValueError):
@@ -247,7 +287,30 @@ class TaskError(TorchMPExtError):
 
 class RemoteTaskError(TaskError, RuntimeError):
     """A task raised an exception that could not be pickled back: its type name and the
-    worker's formatted traceback travel as text (``traceback``)."""
+    worker's formatted traceback travel as text (``traceback``).
+
+    Example:
+        ```python
+        import threading
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import RemoteTaskError
+
+        class LockedError(Exception):
+            def __init__(self):
+                super().__init__("holds a lock")
+                self.lock = threading.Lock()   # cannot be pickled back
+
+        def task():
+            raise LockedError()
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                try:
+                    pool.submit(task).get(timeout=60)
+                except RemoteTaskError as e:   # its type name and traceback, as text
+                    assert "LockedError" in str(e)
+        ```
+    """
 
     def __init__(self, message: str, traceback_text: str = "") -> None:
         super().__init__(message, traceback_text)
@@ -410,6 +473,28 @@ class DataLoaderWorkerError(TorchMPExtError, RuntimeError):
         exit_code: ``Process.exitcode`` (negative: the signal), or None if it hung.
         signal_name: the signal's name (``"SIGKILL"``) when a signal ended it, else None.
         reason: one word, as :class:`ProcessFailure`'s, or ``"hung"``.
+
+    Example:
+        ```python
+        import os
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import DataLoaderWorkerError
+
+        class Crashing(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                if i == 5:
+                    os._exit(3)   # a worker dies without a word
+                return i
+
+        if __name__ == "__main__":
+            try:
+                list(mp.DataLoader(Crashing(), batch_size=2, num_workers=2))
+            except DataLoaderWorkerError as e:   # torch's sentence, then the cause
+                print(e.worker_id, e.exit_code, e.reason)
+        ```
     """
 
     def __init__(self, message: str, *, worker_id: int = 0, pid: int | None = None,
@@ -434,7 +519,35 @@ def _rebuild_loader_error(message: str, state: dict) -> DataLoaderWorkerError:
 
 class WorkerRestartWarning(RuntimeWarning):
     """A :class:`~torch_mp_ext.DataLoader` worker died or hung and was replaced
-    (``max_worker_restarts``); the message names the cause, and the epoch goes on."""
+    (``max_worker_restarts``); the message names the cause, and the epoch goes on.
+
+    Example:
+        ```python
+        import os
+        import signal
+        import warnings
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import WorkerRestartWarning
+
+        class DiesOnce(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                if i == 5 and not os.path.exists("died"):
+                    open("died", "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return i
+
+        if __name__ == "__main__":
+            loader = mp.DataLoader(DiesOnce(), batch_size=2, num_workers=2, max_worker_restarts=1)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                batches = [b.tolist() for b in loader]
+            assert batches == [[0, 1], [2, 3], [4, 5], [6, 7]]   # the same epoch
+            assert any(issubclass(w.category, WorkerRestartWarning) for w in caught)
+        ```
+    """
 
 
 class CudaSharingWarning(RuntimeWarning):
@@ -442,6 +555,15 @@ class CudaSharingWarning(RuntimeWarning):
 
     Emitted after the bounded exit wait (``torch_mp_ext.cuda.set_exit_wait``); the message
     counts the blocks and bytes still referenced and names the processes holding them.
+
+    Example:
+        ```python
+        import warnings
+        from torch_mp_ext.errors import CudaSharingWarning
+
+        # A producer that must not exit while its CUDA tensors are in use elsewhere:
+        warnings.simplefilter("error", CudaSharingWarning)
+        ```
     """
 
 
@@ -453,6 +575,28 @@ class ForkAfterThreadsWarning(RuntimeWarning):
 
     Emitted once per process, naming the threads; silence it with
     ``warnings.filterwarnings("ignore", category=ForkAfterThreadsWarning)``.
+
+    Example:
+        ```python
+        import threading
+        import warnings
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import ForkAfterThreadsWarning
+
+        def work():
+            pass
+
+        if __name__ == "__main__":
+            done = threading.Event()
+            threading.Thread(target=done.wait).start()   # a thread runs during the fork
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                p = mp.get_context("fork").Process(target=work)
+                p.start()
+            done.set()
+            p.join(60)
+            assert any(issubclass(w.category, ForkAfterThreadsWarning) for w in caught)
+        ```
     """
 
 

@@ -395,6 +395,9 @@ def reduce_cuda_tensor(tensor: torch.Tensor) -> tuple:
     keep-alive slot (or, for a received tensor, the original handle and a new slot of its
     producer's counter file).
 
+    Args:
+        tensor: a CUDA tensor being pickled.
+
     Example:
         ```python
         import pickle

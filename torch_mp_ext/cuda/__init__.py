@@ -7,6 +7,29 @@ each sent block until every process that received it has dropped it (or died); a
 tensor can be sent on to a third process. Collection runs by itself; :func:`ipc_collect` runs
 it now. A producer that exits while its blocks are still used waits a bounded time for them
 (:func:`set_exit_wait`), then warns (:class:`~torch_mp_ext.errors.CudaSharingWarning`).
+
+Example:
+    ```python
+    import torch
+    import torch_mp_ext as mp
+
+    def consumer(q):
+        t = q.get(timeout=60)   # the producer's GPU memory, by CUDA IPC: no copy
+        t += 1
+        del t                   # released: the producer may free the block
+
+    if __name__ == "__main__":
+        if torch.cuda.is_available():
+            ctx = mp.get_context("spawn")   # CUDA needs spawn or forkserver children
+            q = ctx.Queue()
+            p = ctx.Process(target=consumer, args=(q,))
+            p.start()
+            t = torch.zeros(4, device="cuda")
+            q.put(t)
+            p.join(60)
+            assert t.eq(1).all()
+        print(mp.cuda.ipc_stats())
+    ```
 """
 
 from __future__ import annotations

@@ -183,6 +183,28 @@ class ContextExchanger:
 
     Raises:
         ValueError: an unknown role or backend, a missing channel, a storage loader.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.exchange import Context
+
+        def collector(channel):
+            contexts = mp.ContextExchanger(role="collector", channel=channel)
+            ctx = Context(total_step=0, env_step=64)   # step 0: nothing to wait for yet
+            contexts.send(ctx)   # the env_step increment goes to the learner
+
+        if __name__ == "__main__":
+            channel = mp.ContextChannel()
+            contexts = mp.ContextExchanger(role="learner", channel=channel)
+            p = mp.Process(target=collector, args=(channel,))
+            p.start()
+            ctx = Context()
+            contexts.receive(ctx, timeout=60)   # merges what the collector sent
+            p.join(60)
+            assert ctx.env_step == 64
+            contexts.close()
+        ```
     """
 
     def __init__(self, skip_n_iter: int = 1, storage_loader: Any = None, *, role: str,

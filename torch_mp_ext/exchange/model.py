@@ -341,6 +341,28 @@ class PeriodicalModelExchanger(_Receiver):
 
     Raises:
         ValueError: an unknown mode, a period below 1, a negative toleration.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+
+        def evaluator(channel):
+            model = torch.nn.Linear(4, 2)
+            models = mp.PeriodicalModelExchanger(model, "receive", channel=channel)
+            assert models.receive(timeout=60) is not None   # a fresh version, loaded
+
+        if __name__ == "__main__":
+            model = torch.nn.Linear(4, 2)
+            channel = mp.StateDictChannel(model)
+            models = mp.PeriodicalModelExchanger(model, "send", period=2, channel=channel)
+            assert models.send() is not None   # iteration 0: a multiple of 2, published
+            assert models.send() is None   # iteration 1: not
+            p = mp.Process(target=evaluator, args=(channel,))
+            p.start()
+            p.join(60)
+            assert p.exitcode == 0
+        ```
     """
 
     def __init__(self, model: torch.nn.Module, mode: str, period: int = 1,
