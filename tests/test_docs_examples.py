@@ -31,6 +31,12 @@ by a module fixture; each test waits for its own block. Most of a block's time i
 importing torch, so on 2 cores this more than halves the wall time.
 
 Other languages (``bash``, ``text``) are not run.
+
+Docstrings too: the fenced ``python`` block of an ``Example:`` (or ``Examples:``) section of a
+docstring in ``torch_mp_ext/`` is a block like the others (found with ``ast``, importing
+nothing; a string right after an assignment is that name's docstring, as griffe reads it).
+Each runs as written, in the slow tier (each imports torch: a second or two apiece);
+``tests/test_docs_site.py`` checks that every name of the API reference has one.
 """
 
 from __future__ import annotations
@@ -55,39 +61,9 @@ DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 DEFAULT_TIMEOUT_S = 120.0  # generous: 2 shared cores under load start spawn workers slowly
 JOBS = int(os.environ.get("DOC_EXAMPLE_JOBS", 3))
 
-# Code that fragments assume, named by their <!-- setup: NAME --> marker.
-SETUPS = {
-    # docs/tasks.md: "pool" is the TaskPool of the page's first example.
-    "task-pool": """
-        import numpy as np
-        import torch_mp_ext as mp
-        pool = mp.TaskPool(2)
-    """,
-    # docs/tasks.md's first example loads frames from a directory.
-    "npy-frames": """
-        import os
-        import numpy as np
-        os.makedirs("frames", exist_ok=True)
-        for i in range(1000):
-            np.save(f"frames/{i}.npy", np.full((64, 64), i, dtype=np.float32))
-    """,
-    # docs/pipelines.md: files to decode and a training step to feed.
-    "npy-paths": """
-        import numpy as np
-        import torch_mp_ext as mp
-        paths = [f"{i}.npy" for i in range(96)]
-        for i, path in enumerate(paths):
-            np.save(path, np.full((16, 16), i, dtype=np.float32))
-        def train_step(batch):
-            assert batch.shape == (32, 16, 16)
-    """,
-    # docs/processes.md: a `train` whose workers raise.
-    "failing-train": """
-        import torch_mp_ext as mp
-        def train(rank):
-            raise ValueError(f"legitimate exception from process {rank}")
-    """,
-}
+# Code that fragments assume, named by their <!-- setup: NAME --> marker. The docs use none:
+# an example a reader copies must run as shown (test_no_block_hides_its_setup).
+SETUPS: dict[str, str] = {}
 
 _FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _MARKER = re.compile(
@@ -188,8 +164,40 @@ def script_for(block: Block) -> str:
     return "\n".join(top) + '\n\nif __name__ == "__main__":\n' + body + "\n"
 
 
+_EXAMPLE = re.compile(r"^(?P<indent> *)Examples?:\n(?P=indent) +```python\n(?P<code>.*?)\n *```$",
+                      re.MULTILINE | re.DOTALL)
+
+
+def docstring_examples(path: Path) -> list[Block]:
+    """The ``Example:`` blocks of the docstrings of one module (see the module docstring)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docs: list[tuple[int, str]] = []
+
+    def string_at(stmt: ast.stmt) -> None:
+        if (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+                and isinstance(stmt.value.value, str)):
+            docs.append((stmt.lineno, stmt.value.value))
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            string_at(node.body[0])
+            for before, after in zip(node.body, node.body[1:]):  # attribute docstrings
+                if isinstance(before, (ast.Assign, ast.AnnAssign)):
+                    string_at(after)
+    blocks = []
+    for line, doc in sorted(set(docs)):
+        for m in _EXAMPLE.finditer(doc):
+            code = textwrap.dedent(m.group("code")) + "\n"
+            first = line + doc[:m.start("code")].count("\n")
+            blocks.append(Block(path, first, "python", code,
+                                {"slow": "a docstring example: each imports torch"}))
+    return blocks
+
+
 def python_blocks() -> list[Block]:
-    return [b for p in DOC_FILES for b in parse_blocks(p) if b.language in ("python", "py")]
+    docs = [b for p in DOC_FILES for b in parse_blocks(p) if b.language in ("python", "py")]
+    package = sorted((ROOT / "torch_mp_ext").rglob("*.py"))
+    return docs + [b for p in package for b in docstring_examples(p)]
 
 
 BLOCKS = python_blocks()
@@ -265,6 +273,13 @@ def test_every_doc_file_is_collected():
                 assert b.markers[reasoned], f"{b.id}: a {reasoned} marker needs its reason"
         if "setup" in b.markers and b.markers["setup"] not in SETUPS:
             compile(b.markers["setup"], b.id, "exec")
+
+
+def test_no_block_hides_its_setup():
+    """What a block needs is in it, or in the earlier block it visibly continues: a
+    ``setup`` marker is an HTML comment, which the rendered page does not show."""
+    hidden = [b.id for b in BLOCKS if "setup" in b.markers]
+    assert not hidden, f"blocks whose setup the reader cannot see: {hidden}"
 
 
 def test_parser_reads_markers(tmp_path):

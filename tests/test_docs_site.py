@@ -111,6 +111,79 @@ def test_every_reference_entry_has_a_docstring():
     assert not undocumented, "entries whose object has no docstring: " + ", ".join(undocumented)
 
 
+_EXAMPLE = re.compile(r"^ *Examples?:\n +```python\n", re.MULTILINE)
+
+#: Reference entries whose docstring has no ``Example:`` yet (none: keep it so). An entry
+#: listed here that gains an example must leave the list (the test says which).
+NO_EXAMPLE_YET: frozenset = frozenset()
+
+#: Reference entries with parameters but no ``Args:`` table yet; shrinks like the one above.
+#: Each is made by torch_mp_ext and handed to users (refs, pipelines, errors, the
+#: ``rebuild_*`` functions that unpickling calls), not called by them.
+NO_ARGS_YET = frozenset({
+    "torch_mp_ext.errors.DataLoaderWorkerError",
+    "torch_mp_ext.errors.PipelineError",
+    "torch_mp_ext.errors.ProcessFailure",
+    "torch_mp_ext.errors.RemoteTaskError",
+    "torch_mp_ext.errors.ReturnCountError",
+    "torch_mp_ext.errors.WorkerDiedError",
+    "torch_mp_ext.exchange.Context",
+    "torch_mp_ext.pipeline.Pipeline",
+    "torch_mp_ext.pipeline.Stage",
+    "torch_mp_ext.processes.SpawnContext",
+    "torch_mp_ext.reductions.rebuild_array",
+    "torch_mp_ext.reductions.rebuild_cpu_tensor",
+    "torch_mp_ext.reductions.rebuild_cuda_tensor",
+    "torch_mp_ext.reductions.rebuild_storage",
+    "torch_mp_ext.reductions.rebuild_tensor",
+    "torch_mp_ext.tasks.Ref",
+    "torch_mp_ext.tasks.RefGenerator",
+})
+
+
+def _entries_where(check) -> set[str]:
+    package = griffe.load("torch_mp_ext", search_paths=[str(ROOT)])
+    out = set()
+    for path in reference_entries():
+        obj = package[path.split(".", 1)[1]]
+        target = obj.final_target if obj.is_alias else obj
+        if check(target):
+            out.add(path)
+    return out
+
+
+def _ratchet(missing: set[str], allowed: frozenset, what: str) -> None:
+    new = sorted(missing - allowed)
+    assert not new, f"entries without {what} (add one to the docstring): " + ", ".join(new)
+    done = sorted(allowed - missing)
+    assert not done, f"these have {what} now: remove them from the test's list: " + ", ".join(
+        done)
+
+
+def test_every_reference_entry_has_an_example():
+    """Each example is then run by tests/test_docs_examples.py (slow tier)."""
+    missing = _entries_where(lambda t: not (t.docstring and _EXAMPLE.search(t.docstring.value)))
+    _ratchet(missing, NO_EXAMPLE_YET, "an `Example:` section with a ```python block")
+
+
+def _parameters(target) -> list[str]:
+    if target.is_class:
+        init = target.members.get("__init__")
+        params = init.parameters if init is not None and init.is_function else []
+    elif target.is_function:
+        params = target.parameters
+    else:
+        return []
+    return [p.name for p in params if p.name not in ("self", "cls")]
+
+
+def test_every_reference_entry_with_parameters_has_a_parameter_table():
+    missing = _entries_where(lambda t: _parameters(t) and not (
+        t.docstring and re.search(r"^ *(Args|Arguments|Parameters):$", t.docstring.value,
+                                  re.MULTILINE)))
+    _ratchet(missing, NO_ARGS_YET, "an `Args:` section (the site's parameter table)")
+
+
 def test_drop_in_table_covers_the_stdlib_names():
     """docs/api/index.md says what each of multiprocessing.__all__ is under torch_mp_ext."""
     text = (API_DIR / "index.md").read_text(encoding="utf-8")

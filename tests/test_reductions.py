@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
 import warnings
 from multiprocessing.reduction import ForkingPickler
 
@@ -12,7 +15,9 @@ import pytest
 import torch
 
 import torch_mp_ext as mp
+from torch_mp_ext.sharing.memory import _numpy_min_bytes
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
     torch.complex128, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
@@ -156,6 +161,39 @@ def test_numpy_arrays(strategy):
     out[0, 0] = 99
     assert born[0, 2] == 99  # zero-copy: the same pages
     assert round_trip(np.array(["a", None], dtype=object)).tolist() == ["a", None]
+
+
+_NUMPY_OFF_SCRIPT = """
+import pickle, sys
+from multiprocessing.reduction import ForkingPickler
+import numpy as np
+import torch_mp_ext as mp
+big = np.arange(100_000, dtype=np.float64)
+data = bytes(ForkingPickler.dumps(big))
+assert len(data) > big.nbytes, len(data)  # by value, as the standard library pickles it
+assert not mp.is_shared(pickle.loads(data))
+born = mp.empty_array((100_000,), np.float64)
+assert len(bytes(ForkingPickler.dumps(born))) < 1000  # born in shared memory: a handle
+print("ok")
+"""
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    environ = dict(os.environ, **env)
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_numpy_min_bytes_off_keeps_the_standard_librarys_pickling():
+    """TORCH_MP_EXT_NUMPY_MIN_BYTES=off (docs/migration.md): the import's numpy reducer
+    pickles ordinary arrays by value; a malformed value is refused, naming both spellings."""
+    done = _python(_NUMPY_OFF_SCRIPT, TORCH_MP_EXT_NUMPY_MIN_BYTES="off")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert _numpy_min_bytes(" OFF ") == sys.maxsize and _numpy_min_bytes("65536") == 65536
+    with pytest.raises(ValueError, match="TORCH_MP_EXT_NUMPY_MIN_BYTES='64k' is neither a "
+                                         "size in bytes nor 'off'"):
+        _numpy_min_bytes("64k")
 
 
 @pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])

@@ -5,15 +5,17 @@
 One PNG per file, named after its benchmark (``handoff.png`` for bench_tensor_transfer, with
 ``-queue`` appended for ``--transport queue``; ``queue.png``, ``spawn.png``,
 ``dataloader.png``, ``exchange.png``, ``dataset_memory.png``). Each plot says under its title
-the command and the machine that made it. Needs matplotlib (the ``docs`` extra); draws
-without a display (Agg).
+the command and the machine that made it (no directories: those are the machine's), and
+carries the SHA-256 of its JSON in the PNG's ``Source`` text chunk. Needs matplotlib (the
+``docs`` extra); draws without a display (Agg).
 
 - hand-off: median time from ``put()`` until the consumer holds the tensor vs tensor size,
-  one line per library and variant, log-log; floors (rows marked ``floor``: the in-process
-  memcpy, a ping-pong round trip when present) dashed in grey.
+  log-log, in two panels (``HANDOFF_PANELS``): tensors already in shared memory over the
+  tensor floor, ordinary tensors over the memcpy floor; one line per library and strategy.
 - queue: items/s per workload and queue (log scale), grouped bars.
 - spawn: seconds to start N workers and join them, cold and warm, per way of starting.
-- dataloader: batches/s per start method, default context vs torch_mp_ext's.
+- dataloader: batches/s per workload and start method, default context vs torch_mp_ext's
+  (log scale).
 - exchange: ms per version until every collector has it in its model vs collectors, one
   line per contender and state size, log-log; the publish memcpy and a memcpy as floors.
 - dataset_memory: PSS of main + DataLoader workers at the end of an epoch per dataset and
@@ -23,8 +25,10 @@ without a display (Agg).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import sys
 from collections import defaultdict
 from typing import Any, Callable
@@ -33,20 +37,29 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # after choosing the backend
+import matplotlib.ticker
 
 FORMAT = "torch_mp_ext-bench/1"
 OURS = ("tmx", "torch_mp_ext")  # series names starting with these are torch_mp_ext's
 
 
 def load(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
+    with open(path, "rb") as f:
+        raw = f.read()
+    doc = json.loads(raw)
     if doc.get("format") != FORMAT:
         raise ValueError(f"{path}: not a benchmark result of format {FORMAT!r} "
                          f"(got {doc.get('format')!r}); write one with --json PATH")
     if not doc.get("rows"):
         raise ValueError(f"{path}: has no rows")
+    doc["_source"] = f"{os.path.basename(path)} sha256:{hashlib.sha256(raw).hexdigest()}"
     return doc
+
+
+def command(doc: dict[str, Any]) -> str:
+    """The command line, its ``--json`` output shown by file name only: the directory it was
+    written to is the machine's, not the reader's."""
+    return re.sub(r"(--json )\S*/", r"\1", doc["command"])
 
 
 def provenance(doc: dict[str, Any]) -> str:
@@ -54,12 +67,14 @@ def provenance(doc: dict[str, Any]) -> str:
     m, v = doc["machine"], doc["versions"]
     mem = f", {m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else ""
     load = f", load {m['loadavg'][0]:.1f}" if m.get("loadavg") else ""
-    return (f"{doc['command']}\n{m['cpu']}, {m['cpus']} CPUs{mem}, {m['system']}{load}; "
-            f"Python {v.get('python')}, torch {v.get('torch', '?')}; {doc['created']}")
+    system = re.sub(r"^(\S+ \d+\.\d+)\S*", r"\1", m["system"])  # "Linux 6.18": no build tag
+    return (f"{command(doc)}\n{m['cpu']}, {m['cpus']} CPUs{mem}, {system}{load}; "
+            f"Python {v.get('python')}, torch {v.get('torch', '?')}; {doc['created'][:10]}")
 
 
-def _figure(doc: dict[str, Any], title: str, width: float = 8.0) -> tuple[Any, Any]:
-    fig, ax = plt.subplots(figsize=(width, 5.2))
+def _figure(doc: dict[str, Any], title: str, width: float = 8.0,
+            panels: int = 1) -> tuple[Any, Any]:
+    fig, ax = plt.subplots(1, panels, figsize=(width, 5.2), squeeze=panels == 1)
     fig.suptitle(title, fontsize=12)
     fig.text(0.5, 0.005, provenance(doc), ha="center", va="bottom", fontsize=6.5,
              color="#555555", wrap=True)
@@ -69,12 +84,14 @@ def _figure(doc: dict[str, Any], title: str, width: float = 8.0) -> tuple[Any, A
 def _style(series: str) -> dict[str, Any]:
     ours = series.startswith(OURS)
     return {"linewidth": 2.2 if ours else 1.3, "marker": "o" if ours else ".",
-            "linestyle": "-" if ours else "--" if "pre-shared" in series else "-"}
+            "linestyle": "-" if ours else "--"}
 
 
-def _save(fig: Any, path: str) -> str:
+def _save(fig: Any, path: str, doc: dict[str, Any]) -> str:
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=110)
+    # Note [Plots name their source]: the SHA-256 of the JSON drawn, in the PNG's "Source"
+    # text chunk, lets tests/test_docs_results.py prove a plot is of the results beside it.
+    fig.savefig(path, dpi=110, metadata={"Source": doc["_source"], "Software": None})
     plt.close(fig)
     return path
 
@@ -86,32 +103,65 @@ def _human_bytes(n: float) -> str:
     return f"{n:g} B"
 
 
+#: The hand-off plot's panels: (title, floor series, the series drawn over it). At most six
+#: lines a panel, one floor each: the variants a reader compares side by side.
+HANDOFF_PANELS = (
+    ("already in shared memory", "tensor floor",
+     ("tmx fd arena-born", "tmx fs arena-born", "torch fd pre-shared", "torch fs pre-shared")),
+    ("an ordinary tensor, sent for the first time", "memcpy floor",
+     ("tmx fd fresh", "tmx fs fresh", "torch fd fresh", "torch fs fresh",
+      "stdlib pickle (numpy)")),
+)
+#: One color per library and strategy, the same in both panels.
+_COLORS = {"tmx fd": "tab:blue", "tmx fs": "tab:cyan", "torch fd": "tab:red",
+           "torch fs": "tab:orange", "stdlib": "tab:purple"}
+_LABELS = {"tmx": "torch_mp_ext", "fd": "file_descriptor", "fs": "file_system"}
+
+
+def _handoff_label(series: str) -> str:
+    """``tmx fd arena-born`` -> ``torch_mp_ext, file_descriptor``: the panel says the rest."""
+    words = series.split()
+    if words[0] not in ("tmx", "torch"):
+        return series
+    return f"{_LABELS.get(words[0], words[0])}, {_LABELS.get(words[1], words[1])}"
+
+
 def plot_handoff(doc: dict[str, Any], path: str) -> str:
     transport = doc["params"].get("transport", "simple")
-    fig, ax = _figure(doc, f"Tensor hand-off: put() until the consumer holds it "
-                           f"(median, {transport} transport)")
+    fig, axes = _figure(doc, f"Tensor hand-off: put() until the consumer holds it "
+                             f"(median, {transport} transport)", 11, panels=2)
     series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    floors = set()
     for row in doc["rows"]:
         series[row["series"]].append((row["nbytes"], row["median_s"]))
-        if row.get("floor"):
-            floors.add(row["series"])
-    for name, points in series.items():
-        points.sort()
-        xs, ys = [p[0] for p in points], [p[1] for p in points]
-        if name in floors:
-            ax.plot(xs, ys, color="grey", linestyle=":", linewidth=2, label=f"{name}")
-        else:
-            ax.plot(xs, ys, label=name, **_style(name))
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
     sizes = sorted({row["nbytes"] for row in doc["rows"]})
-    ax.set_xticks(sizes, [_human_bytes(s) for s in sizes])
-    ax.set_xlabel("tensor size")
-    ax.set_ylabel("seconds (log)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    return _save(fig, path)
+    for ax, (title, floor, names) in zip(axes[0], HANDOFF_PANELS):
+        for name in (floor, *names):
+            if name not in series:
+                continue
+            points = sorted(series[name])
+            xs, ys = [p[0] for p in points], [p[1] * 1e6 for p in points]
+            if name == floor:
+                ax.plot(xs, ys, color="grey", linestyle=":", linewidth=2, label=name)
+                continue
+            color = next((c for k, c in _COLORS.items() if name.startswith(k)), None)
+            ax.plot(xs, ys, label=_handoff_label(name), color=color, **_style(name))
+        ax.set_title(title, fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sizes, [_human_bytes(s) for s in sizes])
+        plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,g}")  # 200, not 2x10^2
+        ax.yaxis.set_major_formatter(plain)
+        low, high = ax.get_ylim()
+        if high / low < 100:  # within two decades, label the minor ticks too
+            ax.yaxis.set_minor_formatter(plain)
+            ax.tick_params(axis="y", which="minor", labelsize=7)
+        else:
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("tensor size")
+        ax.set_ylabel("microseconds (log)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, path, doc)
 
 
 def _short(v: float) -> str:
@@ -153,7 +203,7 @@ def plot_queue(doc: dict[str, Any], path: str) -> str:
     _grouped_bars(ax, groups, series, lambda g, s: cell.get((g, s)))
     ax.set_yscale("log")
     ax.set_ylabel("items/s (log)")
-    return _save(fig, path)
+    return _save(fig, path, doc)
 
 
 def plot_spawn(doc: dict[str, Any], path: str) -> str:
@@ -166,7 +216,7 @@ def plot_spawn(doc: dict[str, Any], path: str) -> str:
     _grouped_bars(ax, groups, series, lambda g, s: cell.get((g, s)))
     ax.set_yscale("log")
     ax.set_ylabel("seconds (log)")
-    return _save(fig, path)
+    return _save(fig, path, doc)
 
 
 def plot_dataloader(doc: dict[str, Any], path: str) -> str:
@@ -176,10 +226,11 @@ def plot_dataloader(doc: dict[str, Any], path: str) -> str:
     series = _ordered(r["series"] for r in rows)
     cell = {(r["start_method"], r["series"]): r["median_batches_per_s"] for r in rows}
     _grouped_bars(ax, groups, series, lambda g, s: cell.get((g, s)))
-    ax.set_ylabel("batches/s")
-    ax.set_xlabel("start method")
+    ax.set_yscale("log")  # workload (a) runs 20x the batches of (b)
+    ax.set_ylabel("batches/s (log)")
+    ax.set_xlabel("workload and start method")
     ax.tick_params(axis="x", labelrotation=20)  # "(row) method" labels are long
-    return _save(fig, path)
+    return _save(fig, path, doc)
 
 
 def plot_exchange(doc: dict[str, Any], path: str) -> str:
@@ -239,7 +290,7 @@ def _plot_exchange_bars(doc: dict[str, Any], path: str) -> str:
     ax.invert_yaxis()
     ax.set_xlabel("ms until every collector has loaded it")
     ax.grid(True, axis="x", alpha=0.3)
-    return _save(fig, path)
+    return _save(fig, path, doc)
 
 
 def plot_dataset_memory(doc: dict[str, Any], path: str) -> str:
@@ -261,7 +312,7 @@ def plot_dataset_memory(doc: dict[str, Any], path: str) -> str:
     ax.legend(fontsize=8)
     ax.set_ylabel("PSS at the end of the epoch (MiB)")
     ax.set_xlabel("start method")
-    return _save(fig, path)
+    return _save(fig, path, doc)
 
 
 PLOTS: dict[str, tuple[str, Callable[[dict[str, Any], str], str]]] = {

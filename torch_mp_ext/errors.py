@@ -58,7 +58,19 @@ __all__ = [
 
 
 class TorchMPExtError(Exception):
-    """Base class of the exceptions defined by torch_mp_ext."""
+    """Base class of the exceptions defined by torch_mp_ext.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import TorchMPExtError
+
+        try:
+            mp.set_sharing_strategy("shared")
+        except TorchMPExtError as e:   # every exception torch_mp_ext defines
+            print(type(e).__name__, e)
+        ```
+    """
 
 
 class SharedMemoryError(TorchMPExtError, OSError):
@@ -66,6 +78,17 @@ class SharedMemoryError(TorchMPExtError, OSError):
 
     ``errno``, ``strerror`` (the whole explanation, with the fix) and ``filename`` (the
     resource) are set as for any ``OSError``.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import SharedMemoryError
+
+        try:
+            buffer = mp.empty(1 << 20)
+        except SharedMemoryError as e:   # an OSError: e.errno is ENOSPC, EMFILE, ...
+            raise SystemExit(f"no shared memory: {e}")
+        ```
     """
 
 
@@ -76,20 +99,85 @@ class SharedMemoryLimitError(SharedMemoryError, MemoryError, RuntimeError):
     A :class:`SharedMemoryError` (an ``OSError``, ``errno.ENOMEM``), a ``MemoryError``, and a
     ``RuntimeError``, which is what ``torch.empty`` raises for such a size ("can't allocate
     memory"): ``except`` clauses written for either keep matching.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import SharedMemoryLimitError
+
+        try:
+            mp.empty(1 << 43)   # 32 TiB of float32
+        except SharedMemoryLimitError as e:   # also a MemoryError: nothing was reserved
+            assert "cannot allocate" in str(e)
+        ```
     """
 
 
 class CorruptSegmentError(TorchMPExtError, RuntimeError):
-    """A shared-memory segment is not ours, of another layout version, or a handle is stale."""
+    """A shared-memory segment is not ours, of another layout version, or a handle is stale.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import CorruptSegmentError
+        from torch_mp_ext.reductions import reduce_storage
+
+        rebuild, (cls, handle, offset, nbytes) = reduce_storage(mp.empty(4).untyped_storage())
+        forged = handle[:2] + (handle[2] + 1,) + handle[3:]   # a wrong secret
+        try:
+            rebuild(cls, forged, offset, nbytes)
+        except CorruptSegmentError as e:   # raised, never a crash
+            print(e)
+        ```
+    """
 
 
 class PeerDiedError(TorchMPExtError, RuntimeError):
-    """A process died while holding shared state that could not be repaired."""
+    """A process died while holding shared state that could not be repaired.
+
+    Example:
+        ```python
+        import os
+        import signal
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import PeerDiedError
+
+        def producer(q):
+            q.put(b"x" * (1 << 20))   # 1 MB: out of line, in a block of this process
+            os.kill(os.getpid(), signal.SIGKILL)   # gone before anyone mapped it
+
+        if __name__ == "__main__":
+            q = mp.Queue()
+            p = mp.Process(target=producer, args=(q,))
+            p.start()
+            p.join(60)
+            try:
+                q.get(timeout=60)
+            except PeerDiedError as e:   # that item only: the queue goes on
+                print(e)
+            q.put(1)
+            assert q.get(timeout=60) == 1
+        ```
+    """
 
 
 class QueueClosedError(TorchMPExtError, ValueError):
     """An operation on a queue object that was closed in this process (``multiprocessing``
-    raises ``ValueError`` there, so this is one)."""
+    raises ``ValueError`` there, so this is one).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import QueueClosedError
+
+        q = mp.Queue()
+        q.close()
+        try:
+            q.put(1)
+        except ValueError as e:   # as multiprocessing raises for a closed queue
+            assert isinstance(e, QueueClosedError)
+        ```
+    """
 
 
 class PipelineError(TorchMPExtError, RuntimeError):
@@ -106,6 +194,22 @@ class PipelineError(TorchMPExtError, RuntimeError):
         pid: that process's pid (this process's for a source iterated here).
         exit_code: ``Process.exitcode`` of a process that died (negative: the signal), else None.
         signal_name: the signal's name (``"SIGKILL"``) when a signal ended it, else None.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import PipelineError
+
+        def bad(items):
+            for x in items:
+                yield 1 / x
+
+        if __name__ == "__main__":
+            try:
+                list(mp.pipeline([1, 0], bad, start_method="fork"))
+            except PipelineError as e:   # every stage was stopped
+                assert isinstance(e.__cause__, ZeroDivisionError)
+        ```
     """
 
     def __init__(self, message: str, *, stage: str = "", position: int = 0, worker: int = 0,
@@ -130,12 +234,39 @@ def _rebuild_pipeline_error(message: str, state: dict) -> PipelineError:
 
 
 class InvalidSharingStrategyError(TorchMPExtError, ValueError, AssertionError):
-    """An unknown sharing strategy name (torch 2.13 raises AssertionError for it)."""
+    """An unknown sharing strategy name (torch 2.13 raises AssertionError for it).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import InvalidSharingStrategyError
+
+        try:
+            mp.set_sharing_strategy("file-system")
+        except ValueError as e:   # torch code catching AssertionError catches it too
+            assert isinstance(e, (InvalidSharingStrategyError, AssertionError))
+        ```
+    """
 
 
 class ChannelClosedError(TorchMPExtError, EOFError):
     """A :class:`~torch_mp_ext.StateDictChannel` (or an exchanger on it) was closed: no
-    newer version will come, or no version may be published any more."""
+    newer version will come, or no version may be published any more.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import ChannelClosedError
+
+        channel = mp.StateDictChannel({"w": torch.zeros(3)})
+        channel.close()
+        try:
+            channel.read(timeout=1)
+        except ChannelClosedError:   # an EOFError: no version will come
+            pass
+        ```
+    """
 
 
 class BorrowedWriteError(TorchMPExtError, RuntimeError):
@@ -147,12 +278,50 @@ class BorrowedWriteError(TorchMPExtError, RuntimeError):
 
 
 class TaskError(TorchMPExtError):
-    """Base class of the errors a :class:`~torch_mp_ext.TaskPool` puts in a task's refs."""
+    """Base class of the errors a :class:`~torch_mp_ext.TaskPool` puts in a task's refs.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import TaskError
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                pool.shutdown()
+                try:
+                    pool.submit(abs, -1)
+                except TaskError as e:   # any failure the pool reports
+                    print(type(e).__name__)
+        ```
+    """
 
 
 class RemoteTaskError(TaskError, RuntimeError):
     """A task raised an exception that could not be pickled back: its type name and the
-    worker's formatted traceback travel as text (``traceback``)."""
+    worker's formatted traceback travel as text (``traceback``).
+
+    Example:
+        ```python
+        import threading
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import RemoteTaskError
+
+        class LockedError(Exception):
+            def __init__(self):
+                super().__init__("holds a lock")
+                self.lock = threading.Lock()   # cannot be pickled back
+
+        def task():
+            raise LockedError()
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                try:
+                    pool.submit(task).get(timeout=60)
+                except RemoteTaskError as e:   # its type name and traceback, as text
+                    assert "LockedError" in str(e)
+        ```
+    """
 
     def __init__(self, message: str, traceback_text: str = "") -> None:
         super().__init__(message, traceback_text)
@@ -169,6 +338,24 @@ class ReturnCountError(TaskError, ValueError):
         expected: ``num_returns``.
         produced: how many values it produced (for too many: how many it had yielded when
             the pool stopped it, ``expected + 1``).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import ReturnCountError
+
+        def one_value():
+            yield 1
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                first, second = pool.submit(one_value, num_returns=2)
+                assert first.get(timeout=60) == 1
+                try:
+                    second.get(timeout=60)
+                except ReturnCountError:
+                    pass
+        ```
     """
 
     def __init__(self, message: str, expected: int, produced: int) -> None:
@@ -187,6 +374,21 @@ class WorkerDiedError(TaskError, RuntimeError):
         pid: the worker's pid.
         exit_code: its exit code, negative for a signal.
         signal_name: the signal's name (``"SIGKILL"``), or ``None``.
+
+    Example:
+        ```python
+        import os
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import WorkerDiedError
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                try:
+                    pool.submit(os._exit, 3).get(timeout=60)
+                except WorkerDiedError as e:   # the pool has started a replacement
+                    print(e)
+                assert pool.submit(abs, -2).get(timeout=60) == 2
+        ```
     """
 
     def __init__(self, message: str, pid: int | None = None, exit_code: int | None = None,
@@ -202,16 +404,70 @@ class WorkerDiedError(TaskError, RuntimeError):
 
 class TaskCancelledError(TaskError, concurrent.futures.CancelledError):
     """The task was cancelled (``RefGenerator.cancel()``, or ``shutdown(cancel_pending=True)``)
-    before it produced this value."""
+    before it produced this value.
+
+    Example:
+        ```python
+        import itertools
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import TaskCancelledError
+
+        def forever():
+            yield from itertools.count()
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                stream = pool.submit(forever, num_returns="streaming", max_buffered=4)
+                assert next(stream).get(timeout=60) == 0
+                stream.cancel()
+                try:
+                    for ref in stream:
+                        ref.get(timeout=60)
+                except TaskCancelledError:
+                    pass
+        ```
+    """
 
 
 class GetTimeoutError(TaskError, TimeoutError):
-    """``get``/``next`` with a ``timeout`` found no value in time (the task goes on)."""
+    """``get``/``next`` with a ``timeout`` found no value in time (the task goes on).
+
+    Example:
+        ```python
+        import time
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import GetTimeoutError
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                ref = pool.submit(time.sleep, 1.0)
+                try:
+                    ref.get(timeout=0.01)
+                except TimeoutError as e:   # the task goes on: get() again later
+                    assert isinstance(e, GetTimeoutError)
+                ref.get(timeout=60)
+        ```
+    """
 
 
 class PoolClosedError(TaskError, RuntimeError):
     """``submit`` on a :class:`~torch_mp_ext.TaskPool` that was shut down, or a task that the
-    shutdown stopped before it ran."""
+    shutdown stopped before it ran.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import PoolClosedError
+
+        if __name__ == "__main__":
+            pool = mp.TaskPool(1, start_method="fork")
+            pool.shutdown()
+            try:
+                pool.submit(abs, -1)
+            except PoolClosedError:
+                pass
+        ```
+    """
 
 
 class DataLoaderWorkerError(TorchMPExtError, RuntimeError):
@@ -228,6 +484,28 @@ class DataLoaderWorkerError(TorchMPExtError, RuntimeError):
         exit_code: ``Process.exitcode`` (negative: the signal), or None if it hung.
         signal_name: the signal's name (``"SIGKILL"``) when a signal ended it, else None.
         reason: one word, as :class:`ProcessFailure`'s, or ``"hung"``.
+
+    Example:
+        ```python
+        import os
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import DataLoaderWorkerError
+
+        class Crashing(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                if i == 5:
+                    os._exit(3)   # a worker dies without a word
+                return i
+
+        if __name__ == "__main__":
+            try:
+                list(mp.DataLoader(Crashing(), batch_size=2, num_workers=2))
+            except DataLoaderWorkerError as e:   # torch's sentence, then the cause
+                print(e.worker_id, e.exit_code, e.reason)
+        ```
     """
 
     def __init__(self, message: str, *, worker_id: int = 0, pid: int | None = None,
@@ -252,7 +530,35 @@ def _rebuild_loader_error(message: str, state: dict) -> DataLoaderWorkerError:
 
 class WorkerRestartWarning(RuntimeWarning):
     """A :class:`~torch_mp_ext.DataLoader` worker died or hung and was replaced
-    (``max_worker_restarts``); the message names the cause, and the epoch goes on."""
+    (``max_worker_restarts``); the message names the cause, and the epoch goes on.
+
+    Example:
+        ```python
+        import os
+        import signal
+        import warnings
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import WorkerRestartWarning
+
+        class DiesOnce(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                if i == 5 and not os.path.exists("died"):
+                    open("died", "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return i
+
+        if __name__ == "__main__":
+            loader = mp.DataLoader(DiesOnce(), batch_size=2, num_workers=2, max_worker_restarts=1)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                batches = [b.tolist() for b in loader]
+            assert batches == [[0, 1], [2, 3], [4, 5], [6, 7]]   # the same epoch
+            assert any(issubclass(w.category, WorkerRestartWarning) for w in caught)
+        ```
+    """
 
 
 class CudaSharingWarning(RuntimeWarning):
@@ -260,6 +566,15 @@ class CudaSharingWarning(RuntimeWarning):
 
     Emitted after the bounded exit wait (``torch_mp_ext.cuda.set_exit_wait``); the message
     counts the blocks and bytes still referenced and names the processes holding them.
+
+    Example:
+        ```python
+        import warnings
+        from torch_mp_ext.errors import CudaSharingWarning
+
+        # A producer that must not exit while its CUDA tensors are in use elsewhere:
+        warnings.simplefilter("error", CudaSharingWarning)
+        ```
     """
 
 
@@ -277,10 +592,33 @@ class UntestedTorchWarning(UserWarning):
 class ForkAfterThreadsWarning(RuntimeWarning):
     """A child is started with the ``fork`` start method while the parent runs other threads
     (Python or native: OpenMP/MKL pools, tokenizers, gRPC), whose locks the child inherits
-    held: the random-hang risk of Note [Fork after threads] (``processes/forkcheck.py``).
+    held: a child may then hang at random (Note [Fork after threads] in
+    ``processes/forkcheck.py``).
 
     Emitted once per process, naming the threads; silence it with
     ``warnings.filterwarnings("ignore", category=ForkAfterThreadsWarning)``.
+
+    Example:
+        ```python
+        import threading
+        import warnings
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import ForkAfterThreadsWarning
+
+        def work():
+            pass
+
+        if __name__ == "__main__":
+            done = threading.Event()
+            threading.Thread(target=done.wait).start()   # a thread runs during the fork
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                p = mp.get_context("fork").Process(target=work)
+                p.start()
+            done.set()
+            p.join(60)
+            assert any(issubclass(w.category, ForkAfterThreadsWarning) for w in caught)
+        ```
     """
 
 
@@ -307,6 +645,21 @@ def oserror(err: int, message: str, resource: str) -> OSError:
 
     Resource exhaustion becomes :class:`SharedMemoryError`; anything else the ``OSError``
     subclass Python picks for the errno (``FileNotFoundError`` for ENOENT, ...).
+
+    Args:
+        err: the ``errno`` value.
+        message: what failed, and why.
+        resource: the file, segment or queue it failed on (the exception's ``filename``).
+
+    Example:
+        ```python
+        import errno
+        from torch_mp_ext.errors import SharedMemoryError, oserror
+
+        e = oserror(errno.ENOSPC, "ftruncate failed", "/dev/shm/tmx_1_ab")
+        assert isinstance(e, SharedMemoryError) and e.errno == errno.ENOSPC
+        assert type(oserror(errno.ENOENT, "open failed", "x")) is FileNotFoundError
+        ```
     """
     if err in _OSERROR_AS_SHARED_MEMORY:
         return SharedMemoryError(err, _with_fd_fix(err, message), resource)
@@ -314,7 +667,24 @@ def oserror(err: int, message: str, resource: str) -> OSError:
 
 
 class RemoteTraceback(Exception):
-    """The formatted traceback of an exception raised in another process."""
+    """The formatted traceback of an exception raised in another process.
+
+    Args:
+        tb: the traceback's text, as ``traceback.format_exception`` writes it.
+
+    Example:
+        ```python
+        import pickle
+        from torch_mp_ext.errors import RemoteTraceback, with_traceback
+
+        try:
+            int("x")
+        except ValueError as e:
+            received = pickle.loads(pickle.dumps(with_traceback(e)))
+        assert isinstance(received.__cause__, RemoteTraceback)
+        assert 'int("x")' in str(received.__cause__)
+        ```
+    """
 
     def __init__(self, tb: str) -> None:
         super().__init__(tb)
@@ -334,6 +704,23 @@ class ExceptionWithTraceback:
 
     Unpickled, it *is* the original exception, with ``__cause__`` set to a
     :class:`RemoteTraceback` holding the remote stack.
+
+    Args:
+        exc: the exception.
+        tb: its traceback (default: ``exc.__traceback__``).
+
+    Example:
+        ```python
+        import pickle
+        from torch_mp_ext.errors import ExceptionWithTraceback
+
+        try:
+            {}["missing"]
+        except KeyError as e:
+            data = pickle.dumps(ExceptionWithTraceback(e))
+        err = pickle.loads(data)   # the KeyError itself, its stack as __cause__
+        assert isinstance(err, KeyError) and "missing" in str(err.__cause__)
+        ```
     """
 
     def __init__(self, exc: BaseException, tb: Any = None) -> None:
@@ -348,7 +735,23 @@ class ExceptionWithTraceback:
 
 
 def with_traceback(exc: BaseException) -> ExceptionWithTraceback:
-    """Wraps ``exc`` so that it crosses a pickle with its traceback as ``__cause__``."""
+    """Wraps ``exc`` so that it crosses a pickle with its traceback as ``__cause__``.
+
+    Args:
+        exc: an exception that was raised (its ``__traceback__`` is formatted).
+
+    Example:
+        ```python
+        import pickle
+        from torch_mp_ext.errors import with_traceback
+
+        try:
+            1 / 0
+        except ZeroDivisionError as e:
+            err = pickle.loads(pickle.dumps(with_traceback(e)))
+        assert isinstance(err, ZeroDivisionError) and "1 / 0" in str(err.__cause__)
+        ```
+    """
     return ExceptionWithTraceback(exc)
 
 
@@ -364,6 +767,22 @@ class ProcessFailure:
         reason: one word for what happened: ``"raised"``, ``"exit_code"``, ``"oom_kill"``,
             ``"bus_error"``, ``"segfault"``, ``"abort"`` or ``"signal"``.
         summary: one line saying what happened (the exception, or the signal's meaning).
+
+    Example:
+        ```python
+        import os
+        import torch_mp_ext as mp
+
+        def work(rank):
+            os._exit(3 + rank)
+
+        if __name__ == "__main__":
+            try:
+                mp.start_processes(work, nprocs=2, start_method="fork")
+            except mp.ProcessExitedException as e:
+                for failure in e.failures:   # ProcessFailure: the reported one first
+                    print(failure.index, failure.exit_code, failure.reason)
+        ```
     """
 
     index: int
@@ -380,6 +799,21 @@ class ProcessException(_TorchProcessException, TorchMPExtError):
     A ``torch.multiprocessing.spawn.ProcessException`` too, with its constructor,
     ``error_index`` and ``error_pid``; ``pid`` is an alias of ``error_pid`` (torch < 1.13's
     name). ``failures`` lists every process that failed, the reported one first.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import ProcessException
+
+        def work(rank):
+            raise RuntimeError(f"rank {rank} failed")
+
+        if __name__ == "__main__":
+            try:
+                mp.start_processes(work, nprocs=1, start_method="fork")
+            except ProcessException as e:   # raised or exited; torch's class too
+                assert e.error_index == 0 and e.pid == e.error_pid
+        ```
     """
 
     failures: tuple[ProcessFailure, ...] = ()
@@ -400,6 +834,20 @@ class ProcessRaisedException(ProcessException, _TorchProcessRaisedException):
     The message is torch's (it ends with the last line of the child's traceback). When the
     child's exception could be pickled it is this exception's ``__cause__``, itself caused
     by a :class:`RemoteTraceback` holding the child's stack.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def work(rank):
+            raise KeyError("weights.pt")
+
+        if __name__ == "__main__":
+            try:
+                mp.start_processes(work, nprocs=1, start_method="fork")
+            except mp.ProcessRaisedException as e:
+                assert isinstance(e.__cause__, KeyError)   # the child's exception object
+        ```
     """
 
 
@@ -409,4 +857,20 @@ class ProcessExitedException(ProcessException, _TorchProcessExitedException):
     ``exit_code`` is negative for a signal, whose name is ``signal_name``; the message says
     what the signal usually means (an OOM kill, a full ``/dev/shm``, a segfault with the
     child's stack).
+
+    Example:
+        ```python
+        import os
+        import signal
+        import torch_mp_ext as mp
+
+        def work(rank):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        if __name__ == "__main__":
+            try:
+                mp.start_processes(work, nprocs=1, start_method="fork")
+            except mp.ProcessExitedException as e:
+                assert e.signal_name == "SIGTERM" and e.exit_code == -signal.SIGTERM
+        ```
     """

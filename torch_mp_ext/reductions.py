@@ -87,8 +87,22 @@ __all__ = [
 
 shared_cache = _records.shared_cache
 """Storages rebuilt or sent by this process, by handle: the same block rebuilds as the same
-storage (torch's ``shared_cache``, keyed by our handles; lean records share it: Note [Lean
-tensor records] in ``sharing/records.py``)."""
+storage (torch's ``shared_cache``, keyed by our handles; compact tensor records share it
+(Note [Lean tensor records] in ``sharing/records.py``)).
+
+Example:
+    ```python
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+    import torch
+    import torch_mp_ext as mp
+    from torch_mp_ext.reductions import shared_cache
+
+    t = mp.empty(4)
+    u = pickle.loads(ForkingPickler.dumps(t))   # sent and rebuilt in this process
+    assert u.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()   # via the cache
+    ```
+"""
 
 def _cache_key(handle: tuple, offset: int, nbytes: int) -> tuple:
     # (segment id, block index, generation, offset, nbytes): Note [Identity of rebuilt storages]
@@ -96,7 +110,23 @@ def _cache_key(handle: tuple, offset: int, nbytes: int) -> tuple:
 
 
 def storage_from_cache(cls: Any, key: Any) -> torch.UntypedStorage | None:
-    """The live storage cached under ``key`` in this process, or None."""
+    """The live storage cached under ``key`` in this process, or None.
+
+    Args:
+        cls: the storage class (unused: every storage here is untyped).
+        key: a block handle's cache key.
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import storage_from_cache
+
+        assert storage_from_cache(torch.UntypedStorage, ("no such handle",)) is None
+        ```
+    """
     storage_ref = shared_cache.get(key)
     if storage_ref is None:
         return None
@@ -107,7 +137,19 @@ def storage_from_cache(cls: Any, key: Any) -> torch.UntypedStorage | None:
 
 
 def rebuild_storage_empty(cls: Any) -> Any:
-    """Rebuilds an empty storage (nothing to share)."""
+    """Rebuilds an empty storage (nothing to share).
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import rebuild_storage_empty
+
+        assert rebuild_storage_empty(torch.UntypedStorage).nbytes() == 0
+        ```
+    """
     return cls()
 
 
@@ -141,13 +183,46 @@ def _share(storage: torch.UntypedStorage) -> tuple[tuple, int] | None:
 
 
 def rebuild_storage(cls: Any, handle: tuple, offset: int, nbytes: int) -> torch.UntypedStorage:
-    """Rebuilds a storage from a block handle (zero-copy), taking over its reference."""
+    """Rebuilds a storage from a block handle (zero-copy), taking over its reference.
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import rebuild_storage
+
+        from torch_mp_ext.reductions import reduce_storage
+
+        storage = mp.empty(8).untyped_storage()
+        rebuild, args = reduce_storage(storage)
+        assert rebuild is rebuild_storage and rebuild(*args).nbytes() == storage.nbytes()
+        ```
+    """
     return _storage_from_handle(handle, offset, nbytes)
 
 
 def reduce_storage(storage: torch.UntypedStorage) -> tuple:
     """Pickles a CPU storage as a block handle, moving it into shared memory first if needed
-    (Note [Moving storages in place] in ``sharing/memory.py``)."""
+    (Note [Moving storages in place] in ``sharing/memory.py``).
+
+    Args:
+        storage: the storage being pickled.
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import reduce_storage
+
+        storage = mp.empty(8).untyped_storage()
+        rebuild, args = reduce_storage(storage)
+        assert rebuild(*args).data_ptr() == storage.data_ptr()   # the same storage again
+        ```
+    """
     if storage.device.type != "cpu":  # CUDA / meta storages: torch's refusal and messages
         return _torch_reductions.reduce_storage(storage)
     nbytes = storage.nbytes()
@@ -188,7 +263,23 @@ def reduce_typed_storage_child(storage: Any) -> tuple:
 
 
 def rebuild_tensor(cls: Any, storage: Any, metadata: tuple) -> torch.Tensor:
-    """Rebuilds a tensor (or ``Parameter``) on a rebuilt storage, as torch's does."""
+    """Rebuilds a tensor (or ``Parameter``) on a rebuilt storage, as torch's does.
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import rebuild_tensor
+
+        untyped = pickle.loads(ForkingPickler.dumps(mp.empty(4).fill_(1).untyped_storage()))
+        storage = torch.TypedStorage(wrap_storage=untyped, dtype=torch.float32, _internal=True)
+        metadata = (0, (4,), (1,), False)   # storage offset, size, stride, requires_grad
+        t = rebuild_tensor(torch.Tensor, storage, metadata)
+        assert t.eq(1).all()
+        ```
+    """
     storage_offset, size, stride, requires_grad = metadata
     t = _ti.rebuild_tensor(storage, storage_offset, size, stride)
     if cls == torch.nn.parameter.Parameter:
@@ -210,7 +301,23 @@ def rebuild_cpu_tensor(
     requires_grad: bool,
     cls: type | None,
 ) -> torch.Tensor:
-    """Rebuilds a CPU tensor viewing a block (zero-copy), taking over the handle's reference."""
+    """Rebuilds a CPU tensor viewing a block (zero-copy), taking over the handle's reference.
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import rebuild_cpu_tensor
+
+        from torch_mp_ext.reductions import reduce_tensor
+
+        t = mp.empty(4).fill_(7)
+        rebuild, args = reduce_tensor(t)
+        assert rebuild is rebuild_cpu_tensor and rebuild(*args).eq(7).all()
+        ```
+    """
     storage = _storage_from_handle(handle, offset, nbytes)
     t = _records.check_aligned(
         torch.empty((0,), dtype=dtype).set_(storage, storage_offset, size, stride))
@@ -244,6 +351,18 @@ def rebuild_cuda_tensor(
     ``ref_counter_handle`` is our keep-alive ticket (Note [CUDA lifetimes]) when torch_mp_ext
     sent the tensor; bytes (torch's counter file, as ``storage._share_cuda_()`` returns) are
     handed to torch's own ``rebuild_cuda_tensor``.
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import rebuild_cuda_tensor
+
+        assert callable(rebuild_cuda_tensor)   # what a receiver of a CUDA tensor calls;
+        # with a GPU: pickle.loads(ForkingPickler.dumps(t)) in another process runs it
+        ```
     """
     if not _cuda_ipc.is_ticket(ref_counter_handle) and storage_handle is not None:
         return _torch_reductions.rebuild_cuda_tensor(
@@ -275,7 +394,24 @@ def rebuild_cuda_tensor(
 def reduce_cuda_tensor(tensor: torch.Tensor) -> tuple:
     """Pickles a strided CUDA tensor: the IPC handle of its allocation, its offset, and a
     keep-alive slot (or, for a received tensor, the original handle and a new slot of its
-    producer's counter file)."""
+    producer's counter file).
+
+    Args:
+        tensor: a CUDA tensor being pickled.
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import reduce_cuda_tensor
+
+        if torch.cuda.is_available():   # a CUDA tensor crosses as torch's IPC handle
+            rebuild, args = reduce_cuda_tensor(torch.ones(3, device="cuda"))
+            print(rebuild.__name__)
+        ```
+    """
     torch.utils.hooks.warn_if_has_hooks(tensor)
     storage = tensor.untyped_storage()
     if storage.nbytes() == 0 or storage.data_ptr() == 0:
@@ -294,7 +430,25 @@ def reduce_cuda_tensor(tensor: torch.Tensor) -> tuple:
 def reduce_tensor(tensor: torch.Tensor) -> tuple:
     """Pickles a tensor: a CPU tensor as one block handle plus its layout, a CUDA tensor by
     IPC handle and keep-alive slot; the rest as torch does (meta, nested, sparse -- whose
-    parts come back here)."""
+    parts come back here).
+
+    Args:
+        tensor: the tensor being pickled.
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import reduce_tensor
+
+        t = mp.zeros(2, 3)
+        rebuild, args = reduce_tensor(t)   # what ForkingPickler calls for a tensor
+        u = rebuild(*args)
+        assert u.shape == (2, 3) and u.data_ptr() == t.data_ptr()
+        ```
+    """
     if tensor.requires_grad and not tensor.is_leaf:
         raise RuntimeError(
             "Cowardly refusing to serialize non-leaf tensor which requires_grad, "
@@ -330,7 +484,25 @@ def reduce_tensor(tensor: torch.Tensor) -> tuple:
 def rebuild_array(
     handle: tuple, offset: int, shape: tuple, dtype: np.dtype, strides: tuple, writeable: bool
 ) -> np.ndarray:
-    """Rebuilds a numpy array viewing a block (zero-copy), taking over its reference."""
+    """Rebuilds a numpy array viewing a block (zero-copy), taking over its reference.
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import rebuild_array
+
+        import numpy as np
+
+        a = mp.empty_array((3, 4), np.int32)
+        a[:] = 5
+        b = pickle.loads(ForkingPickler.dumps(a))   # calls rebuild_array: a view, no copy
+        b[0, 0] = 9
+        assert a[0, 0] == 9
+        ```
+    """
     arr = _memory.array_from_block(_C.attach(handle), offset, shape, dtype, strides)
     if not writeable:
         arr.flags.writeable = False
@@ -339,7 +511,27 @@ def rebuild_array(
 
 def reduce_array(arr: np.ndarray) -> tuple:
     """Pickles a numpy array: by handle if it lives in a block (zero-copy both ways), else
-    copied once into a new block, or by value when small or of object dtype."""
+    copied once into a new block, or by value when small or of object dtype.
+
+    Args:
+        arr: the array being pickled.
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import reduce_array
+
+        import numpy as np
+
+        a = np.arange(100_000.0)   # 800 KB: copied once into a shared block
+        rebuild, args = reduce_array(a)
+        b = rebuild(*args)
+        assert mp.is_shared(b) and np.array_equal(a, b)
+        ```
+    """
     if arr.dtype.hasobject or arr.size == 0:
         return cast(tuple, arr.__reduce__())
     data = arr.__array_interface__["data"][0]
@@ -368,6 +560,20 @@ def init_reductions() -> None:
     Registration is process-wide and by exact type (the last registration wins): this
     replaces torch's reducers for CPU storages and for CPU and CUDA tensors, and keeps
     torch's for the rest (``torch.cuda.Event`` keeps ``reduce_event``/``rebuild_event``).
+
+    Example:
+        ```python
+        import pickle
+        from multiprocessing.reduction import ForkingPickler
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.reductions import init_reductions
+
+        init_reductions()   # done by the import already; idempotent
+        t = torch.ones(3)
+        u = pickle.loads(ForkingPickler.dumps(t))   # t moved to shared memory, u shares it
+        assert mp.is_shared(t) and u.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        ```
     """
     reduction.register(torch.cuda.Event, reduce_event)
     for t in _ti.storage_classes:

@@ -94,6 +94,14 @@ class SharedList(_Stored, Sequence):
     Raises:
         TypeError: an item cannot be pickled; the message names its index and type.
         SharedMemoryError: shared memory is full (an ``OSError``).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        records = mp.SharedList([{"id": i, "tags": ["a", "b"]} for i in range(1000)])
+        assert len(records) == 1000 and records[7] == {"id": 7, "tags": ["a", "b"]}
+        ```
     """
 
     __slots__ = ("_store",)
@@ -191,6 +199,14 @@ class SharedDict(_Stored, Mapping):
         TypeError: a key of another type, or an unpicklable key or value (the message
             names its index and type).
         SharedMemoryError: shared memory is full (an ``OSError``).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        vocab = mp.SharedDict({f"word{i}": i for i in range(1000)})
+        assert vocab["word42"] == 42 and "word1000" not in vocab
+        ```
     """
 
     __slots__ = ("_store",)
@@ -222,9 +238,12 @@ class SharedDict(_Stored, Mapping):
         return self._store.records_from(0, self._store.records // 2)
 
     def items(self) -> ItemsView:
+        """A view of the ``(key, value)`` pairs, in the order of the dict it was built from;
+        each value is read from shared memory as it is reached."""
         return _Items(self)
 
     def values(self) -> ValuesView:
+        """A view of the values, in key order; each is read from shared memory when reached."""
         return _Values(self)
 
     def __eq__(self, other: object) -> bool:

@@ -41,7 +41,7 @@ def share_dataset(dataset: T, *, attrs: Optional[Iterable[str]] = None, min_item
 
     After this, DataLoader workers read the dataset's samples without copying them (no
     copy-on-read under fork) and receive it as a few handles (no pickled copy per worker
-    under spawn and forkserver). See Note [What share_dataset converts] for what changes.
+    under spawn and forkserver) (Note [What share_dataset converts] says what changes).
 
     Args:
         dataset: any object with a ``__dict__``, usually a ``torch.utils.data.Dataset``.
@@ -58,6 +58,26 @@ def share_dataset(dataset: T, *, attrs: Optional[Iterable[str]] = None, min_item
         TypeError: ``dataset`` has no ``__dict__``, or an item cannot be stored (the message
             names the attribute, the item's index and its type).
         AttributeError: a name in ``attrs`` is not an attribute of ``dataset``.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+
+        class Records(torch.utils.data.Dataset):
+            def __init__(self, n):
+                self.items = [{"path": f"{i}.jpg", "label": i % 10} for i in range(n)]
+            def __len__(self):
+                return len(self.items)
+            def __getitem__(self, i):
+                return self.items[i]["label"]
+
+        if __name__ == "__main__":
+            dataset = mp.share_dataset(Records(5000))   # its list is now a SharedList
+            assert isinstance(dataset.items, mp.SharedList)
+            loader = torch.utils.data.DataLoader(dataset, batch_size=500, num_workers=2)
+            assert sum(len(b) for b in loader) == 5000
+        ```
     """
     _share(dataset, None if attrs is None else list(attrs), min_items, progress, {})
     return dataset

@@ -81,6 +81,28 @@ class StateDictChannel:
 
     Raises:
         ValueError: a template entry is not a dense tensor, or ``buffers`` is out of range.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+
+        def collector(channel):
+            model = torch.nn.Linear(4, 2)
+            version = channel.read_into(model, newer_than=-1, timeout=60)
+            assert version == 0 and model.bias.eq(1).all()   # versions count from 0
+
+        if __name__ == "__main__":
+            learner = torch.nn.Linear(4, 2)
+            channel = mp.StateDictChannel(learner)   # shapes and dtypes from the model
+            p = mp.Process(target=collector, args=(channel,))
+            p.start()
+            with torch.no_grad():
+                learner.bias.fill_(1)
+            channel.publish(learner)   # version 0
+            p.join(60)
+            assert p.exitcode == 0
+        ```
     """
 
     def __init__(self, template: StateLike, *, buffers: int = 3, name: str | None = None) -> None:
@@ -138,8 +160,8 @@ class StateDictChannel:
 
     def check_peer(self) -> None:
         """Raises :class:`~torch_mp_ext.errors.PeerDiedError` if the publisher died without
-        closing the channel. Cheap (no system call once this process watches the
-        publisher: Note [Publisher death] in ``csrc/exchange/latest.h``)."""
+        closing the channel. Cheap: no system call once this process watches the publisher
+        (Note [Publisher death] in ``csrc/exchange/latest.h``)."""
         if self.publisher_died:
             raise PeerDiedError(self._died_message())
 

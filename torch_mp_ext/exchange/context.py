@@ -10,7 +10,7 @@ semantics; changes:
   :class:`~torch_mp_ext.StateDictChannel` (``backend="gloo"``/``"nccl"``: over
   ``torch.distributed`` instead, Note [Exchange over torch.distributed]);
 - a process's role is an argument (``"learner"`` or ``"collector"``);
-- waits have timeouts: the seed's learner waits forever (``timeout=None``, the default for
+- waits have timeouts: DI-engine's learner waits forever (``timeout=None``, the default for
   it), its collectors 60 s, then warn naming the process; a closed channel ends waits.
 
 Each step, a collector merges the learner's newest payload (``train_iter``), waiting for a
@@ -55,6 +55,19 @@ class ContextChannel:
             payloads (default: torch_mp_ext's, so tensors in trajectories are shared, not
             copied).
         name: names the channel in errors.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        channel = mp.ContextChannel()   # made in the parent, passed to every process
+        channel.send_up({"env_step": 64})   # a collector's payload
+        assert channel.receive_up(timeout=60) == [{"env_step": 64}]
+        channel.send_down({"train_iter": 1})   # the learner's
+        version, payload = channel.receive_down(newer_than=-1, timeout=60)
+        assert payload == {"train_iter": 1}
+        channel.close()
+        ```
     """
 
     def __init__(self, *, capacity: int = 1 << 16, ctx: Any = None,
@@ -82,10 +95,22 @@ class ContextChannel:
         self._down._claim_publisher()
 
     def send_up(self, payload: dict) -> None:
+        """Collector: queues ``payload`` (a dict of context fields) for the learner.
+
+        Args:
+            payload: picklable; its tensors and arrays travel through shared memory.
+        """
         self._up.put(payload)
 
     def receive_up(self, timeout: float | None) -> list:
-        """Blocks for one payload (up to ``timeout``), then takes every one already there."""
+        """Learner: blocks for one payload, then takes every one already there.
+
+        Args:
+            timeout: most seconds to wait for the first payload (``None``: for ever).
+
+        Returns:
+            The payloads in the order they were sent; empty if ``timeout`` passed first.
+        """
         try:
             items = [self._up.get(timeout=timeout)]
         except queue.Empty:
@@ -97,6 +122,14 @@ class ContextChannel:
                 return items
 
     def send_down(self, payload: dict) -> None:
+        """Learner: publishes ``payload`` as the newest version for every collector.
+
+        Args:
+            payload: picklable; replaces the previous one (collectors read the newest).
+
+        Raises:
+            ValueError: ``payload`` pickles to more than the channel's ``capacity`` bytes.
+        """
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > self._capacity:
             raise ValueError(
@@ -107,11 +140,26 @@ class ContextChannel:
         self._down.publish({"nbytes": torch.tensor([len(data)]), "payload": buf})
 
     def receive_down(self, newer_than: int, timeout: float | None) -> tuple[int, Any]:
+        """Collector: waits for a payload newer than version ``newer_than`` and reads it.
+
+        Args:
+            newer_than: the last version this collector read (``-1``: none yet).
+            timeout: most seconds to wait (``None``: for ever).
+
+        Returns:
+            ``(version, payload)`` of the newest payload.
+
+        Raises:
+            TimeoutError: no newer version within ``timeout``.
+            ChannelClosedError: the learner closed the channel and nothing newer is there.
+            PeerDiedError: the learner died without closing it, and nothing newer is there.
+        """
         version, state = self._down.read(newer_than, timeout=timeout)
         nbytes = int(state["nbytes"][0])
         return version, pickle.loads(state["payload"][:nbytes].numpy().tobytes())
 
     def close(self) -> None:
+        """Learner: ends the channel; waiting collectors return and ``closed`` turns True."""
         self._down.close()
 
 
@@ -131,10 +179,32 @@ class ContextExchanger:
             objects).
         learner_rank: the learner's rank (distributed backends).
         timeout: seconds to wait for the other side; default: forever for the learner,
-            60 s for collectors (the seed's).
+            60 s for collectors (DI-engine's).
 
     Raises:
         ValueError: an unknown role or backend, a missing channel, a storage loader.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+        from torch_mp_ext.exchange import Context
+
+        def collector(channel):
+            contexts = mp.ContextExchanger(role="collector", channel=channel)
+            ctx = Context(total_step=0, env_step=64)   # step 0: nothing to wait for yet
+            contexts.send(ctx)   # the env_step increment goes to the learner
+
+        if __name__ == "__main__":
+            channel = mp.ContextChannel()
+            contexts = mp.ContextExchanger(role="learner", channel=channel)
+            p = mp.Process(target=collector, args=(channel,))
+            p.start()
+            ctx = Context()
+            contexts.receive(ctx, timeout=60)   # merges what the collector sent
+            p.join(60)
+            assert ctx.env_step == 64
+            contexts.close()
+        ```
     """
 
     def __init__(self, skip_n_iter: int = 1, storage_loader: Any = None, *, role: str,
@@ -184,11 +254,11 @@ class ContextExchanger:
     # ---- plain calls ---------------------------------------------------------------------
 
     def receive(self, ctx: Any, timeout: float | None = _DEFAULT) -> bool:
-        """Merges what the other side sent into ``ctx`` (the seed's ``merge``).
+        """Merges what the other side sent into ``ctx`` (DI-engine's ``merge``).
 
         The learner waits for at least one collector payload; a collector waits for a new
         learner payload once ``ctx.total_step >= skip_n_iter``. A wait that times out logs
-        the seed's warning, naming this process, and merges nothing.
+        DI-engine's warning, naming this process, and merges nothing.
 
         Args:
             ctx: the step's context (``Context`` or any object with its fields).
@@ -243,7 +313,7 @@ class ContextExchanger:
             self._channel.close()
 
     def __call__(self, ctx: Any) -> Generator[None, None, None]:
-        """The seed's middleware: merge, run the step, send."""
+        """DI-engine's middleware: merge, run the step, send."""
         self.receive(ctx)
         yield
         self.send(ctx)
@@ -253,7 +323,7 @@ class ContextExchanger:
                        "%s within %s s", process_label(self._role),
                        "collectors" if self._is_learner else "learner", timeout)
 
-    # ---- the seed's hooks ----------------------------------------------------------------
+    # ---- DI-engine's hooks ----------------------------------------------------------------
 
     def put(self, payload: dict) -> None:
         """Takes a received payload in, one ``_put_<key>`` handler per key."""

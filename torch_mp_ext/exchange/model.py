@@ -8,17 +8,17 @@ Adapted from DI-engine's ``ding/framework/middleware/distributer.py`` (``ModelEx
   pickle on a message bus: the learner copies its state_dict once, each collector copies
   the newest complete version straight into its model, or (``copy=False``) makes its model
   view that version in place, with no copy at all;
-- a process's role is an argument (``role=``, or ``mode=`` as in the seed), not a task's;
+- a process's role is an argument (``role=``, or ``mode=`` as in DI-engine), not a task's;
 - freshness is judged by version numbers and this host's monotonic clock, never by
   comparing wall clocks of two hosts (across hosts ``delay_toleration`` counts from the
   moment a version arrived);
-- every wait has a timeout (the seed's 60 s by default) that logs the seed's warning, naming
-  the process; a closed channel ends waits at once (the seed's ``task.finish``);
-- the seed's busy spin on a cached model older than ``delay_toleration`` is a plain wait for
+- every wait has a timeout (DI-engine's 60 s by default) that logs DI-engine's warning, naming
+  the process; a closed channel ends waits at once (DI-engine's ``task.finish``);
+- DI-engine's busy spin on a cached model older than ``delay_toleration`` is a plain wait for
   a fresher one.
 
 Both classes work as plain calls in a training loop (``send()``, ``receive(timeout=...)``)
-and as the seed's middleware: calling one with a context returns the step generator that
+and as DI-engine's middleware: calling one with a context returns the step generator that
 DI-engine's task (or :func:`run_step`) drives::
 
     learner                                      collector
@@ -52,7 +52,7 @@ __all__ = ["Context", "ModelExchanger", "PeriodicalModelExchanger", "run_step"]
 logger = logging.getLogger("torch_mp_ext.exchange")
 
 ROLES = ("learner", "collector", "evaluator")
-#: The seed's patience: a receiver waits this long for a model, then warns and goes on.
+#: DI-engine's patience: a receiver waits this long for a model, then warns and goes on.
 DEFAULT_TIMEOUT = 60.0
 _DEFAULT: Any = object()  # "the exchanger's own timeout"
 
@@ -62,6 +62,15 @@ class Context:
     """The fields of DI-engine's ``OnlineRLContext`` that the exchangers read and write.
 
     Any object with these attributes (DI-engine's own contexts included) works as well.
+
+    Example:
+        ```python
+        from torch_mp_ext.exchange import Context
+
+        ctx = Context()
+        ctx.train_iter += 1
+        assert ctx.total_step == 0 and ctx.trajectories is None
+        ```
     """
 
     total_step: int = 0
@@ -79,6 +88,28 @@ def run_step(ctx: Any, *middleware: Callable[[Any], Any]) -> None:
     Each middleware is called in order; one that returns a generator runs to its ``yield``
     and is resumed after the rest of the pipeline, innermost first (``task.forward`` then
     ``task.backward`` in DI-engine).
+
+    Args:
+        ctx: the context every middleware reads and writes (a :class:`Context`).
+        *middleware: callables ``f(ctx)``, in pipeline order (the exchangers are some).
+
+    Example:
+        ```python
+        from torch_mp_ext.exchange import Context, run_step
+
+        calls = []
+
+        def outer(ctx):
+            calls.append("forward")
+            yield
+            calls.append("backward")
+
+        def inner(ctx):
+            calls.append("step")
+
+        run_step(Context(), outer, inner)
+        assert calls == ["forward", "step", "backward"]
+        ```
     """
     pending = []
     for fn in middleware:
@@ -218,8 +249,8 @@ class ModelExchanger(_Receiver):
             ``"nccl"``; the learner's rank broadcasts each version to every rank of the
             default process group, and all ranks make their exchangers in one order.
         learner_rank: the learner's rank (distributed backends).
-        timeout: seconds a receiver waits for a newer model (``None``: forever) before the
-            seed's warning.
+        timeout: seconds a receiver waits for a newer model (``None``: forever) before
+            DI-engine's warning.
         copy: receivers: ``True`` copies each version into the model; ``False`` makes the
             model's parameters and buffers views of it, with no copy
             (:meth:`StateDictChannel.borrow_into`: CPU models in ``eval()`` mode that never
@@ -229,6 +260,31 @@ class ModelExchanger(_Receiver):
         ValueError: an unknown role or backend, a missing channel, a model that does not
             match the channel's template (on ``send``/``receive``, naming the key),
             ``copy=False`` for the learner or another backend.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+
+        def collector(channel):
+            model = torch.nn.Linear(4, 2)
+            models = mp.ModelExchanger(model, role="collector", channel=channel)
+            models.receive(timeout=60)   # the newest weights, copied into the model in place
+            assert model.bias.eq(1).all()
+
+        if __name__ == "__main__":
+            model = torch.nn.Linear(4, 2)
+            channel = mp.StateDictChannel(model)
+            models = mp.ModelExchanger(model, role="learner", channel=channel)
+            with torch.no_grad():
+                model.bias.fill_(1)
+            models.send()
+            p = mp.Process(target=collector, args=(channel,))
+            p.start()
+            p.join(60)
+            assert p.exitcode == 0
+            models.close()
+        ```
     """
 
     def __init__(self, model: torch.nn.Module, model_loader: Any = None, *, role: str,
@@ -265,7 +321,7 @@ class ModelExchanger(_Receiver):
             timeout: seconds to wait (default: the exchanger's; ``None`` forever).
 
         Returns:
-            The version loaded, or None when none came within ``timeout`` (after the seed's
+            The version loaded, or None when none came within ``timeout`` (after DI-engine's
             warning, naming this process) or the channel is closed.
 
         Raises:
@@ -285,7 +341,7 @@ class ModelExchanger(_Receiver):
         return self._version
 
     def __call__(self, ctx: Any) -> Generator[None, None, None]:
-        """The seed's middleware: a learner sends after the step, the others load the newest
+        """DI-engine's middleware: a learner sends after the step, the others load the newest
         model before every step but the first (``ctx.total_step == 0``)."""
         if not self._is_learner:
             if ctx.total_step != 0:  # Skip first iteration
@@ -312,7 +368,7 @@ class PeriodicalModelExchanger(_Receiver):
         delay_toleration: seconds after its publication a version may still be loaded (on
             this host's monotonic clock; across hosts, counted from its arrival).
         stale_toleration: iterations a receiver may go on with the weights it has.
-        event_name: the seed's bus topic; here it names the exchanger in warnings.
+        event_name: DI-engine's bus topic; here it names the exchanger in warnings.
         model_loader: must be None (see :class:`ModelExchanger`).
         channel: as for :class:`ModelExchanger`.
         backend: as for :class:`ModelExchanger` (the sender is the learner).
@@ -322,6 +378,28 @@ class PeriodicalModelExchanger(_Receiver):
 
     Raises:
         ValueError: an unknown mode, a period below 1, a negative toleration.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+
+        def evaluator(channel):
+            model = torch.nn.Linear(4, 2)
+            models = mp.PeriodicalModelExchanger(model, "receive", channel=channel)
+            assert models.receive(timeout=60) is not None   # a fresh version, loaded
+
+        if __name__ == "__main__":
+            model = torch.nn.Linear(4, 2)
+            channel = mp.StateDictChannel(model)
+            models = mp.PeriodicalModelExchanger(model, "send", period=2, channel=channel)
+            assert models.send() is not None   # iteration 0: a multiple of 2, published
+            assert models.send() is None   # iteration 1: not
+            p = mp.Process(target=evaluator, args=(channel,))
+            p.start()
+            p.join(60)
+            assert p.exitcode == 0
+        ```
     """
 
     def __init__(self, model: torch.nn.Module, mode: str, period: int = 1,
@@ -380,7 +458,7 @@ class PeriodicalModelExchanger(_Receiver):
 
         Returns:
             The version loaded, or None when the weights were reused, the wait timed out
-            (after the seed's warning, naming this process) or the channel is closed.
+            (after DI-engine's warning, naming this process) or the channel is closed.
 
         Raises:
             PeerDiedError: the sender died without closing the channel.
@@ -423,7 +501,7 @@ class PeriodicalModelExchanger(_Receiver):
                 return None
 
     def __call__(self, ctx: Any) -> Generator[None, None, None]:
-        """The seed's middleware: receivers update before every step but the first, the
+        """DI-engine's middleware: receivers update before every step but the first, the
         sender publishes after the step every ``period`` iterations."""
         if self._mode == "receive":
             if ctx.total_step != 0:  # Skip first iteration

@@ -53,7 +53,15 @@ __all__ = ["pipeline", "stage", "Pipeline", "Stage", "SHUTDOWN_GRACE_S"]
 log = logging.getLogger("torch_mp_ext.pipeline")
 
 SHUTDOWN_GRACE_S = float(os.environ.get("TORCH_MP_EXT_PIPELINE_GRACE_S", 5.0))
-"""Seconds a shutdown waits for stages to stop by themselves before terminating them."""
+"""Seconds a shutdown waits for stages to stop by themselves before terminating them.
+
+Example:
+    ```python
+    from torch_mp_ext.pipeline import SHUTDOWN_GRACE_S
+
+    assert SHUTDOWN_GRACE_S > 0   # TORCH_MP_EXT_PIPELINE_GRACE_S changes it
+    ```
+"""
 
 
 def _name(fn: Any) -> str:
@@ -88,6 +96,20 @@ class Pipeline(Iterator[Any]):
 
     Processes start at the first ``next()``. Iterate it once; ``close()`` (or ``with``, or
     dropping it) stops every process early.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def double(items):
+            for x in items:
+                yield 2 * x
+
+        if __name__ == "__main__":
+            with mp.pipeline(range(100), double, start_method="fork") as results:
+                first = next(results)   # the processes start here
+            assert first == 0   # leaving the block stopped every process early
+        ```
     """
 
     def __init__(self, source: Any, specs: List[_Spec], buffer_size: int = 3, workers: int = 1,
@@ -246,6 +268,24 @@ def pipeline(source: Any, *stages: Callable[..., Any], buffer_size: int = 3, wor
     Iterating raises :class:`~torch_mp_ext.errors.PipelineError` when a stage raises (its
     exception, with its traceback, is the ``__cause__``) or its process dies, after every
     stage was stopped.
+
+    Example:
+        ```python
+        import numpy as np
+        import torch_mp_ext as mp
+
+        def frames():
+            for i in range(8):
+                yield np.full((256, 256), i, np.float32)
+
+        def square(items):
+            for x in items:
+                yield x * x
+
+        if __name__ == "__main__":
+            total = sum(a[0, 0] for a in mp.pipeline(frames, square, start_method="fork"))
+            assert total == sum(i * i for i in range(8))
+        ```
     """
     if not (callable(source) or hasattr(source, "__iter__")):
         raise TypeError(f"source must be an iterable or a function returning one, got "
@@ -255,7 +295,22 @@ def pipeline(source: Any, *stages: Callable[..., Any], buffer_size: int = 3, wor
 
 
 class Stage:
-    """A generator function made a pipeline stage by :func:`stage` (see there)."""
+    """A generator function made a pipeline stage by :func:`stage` (see there).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        @mp.stage(2, start_method="fork")
+        def plus_one(items):
+            for x in items:
+                yield x + 1
+
+        if __name__ == "__main__":
+            assert isinstance(plus_one, mp.Stage)
+            assert list(plus_one(range(3))) == [1, 2, 3]
+        ```
+    """
 
     def __init__(self, fn: Callable[[Iterable[Any]], Iterable[Any]], buffer_size: int,
                  start_method: Optional[str]) -> None:
@@ -315,7 +370,7 @@ def stage(buffer_size: Any = 3, *, start_method: Optional[str] = None) -> Any:
 
     ``f(g(h(xs())))`` becomes one pipeline: h, g and f each in a process of their own, joined
     by queues holding at most ``buffer_size`` of each stage's results, iterated by the
-    caller. The seed of this API is the ``parallel_pipeline`` decorator of a Stack Overflow
+    caller. This API started from the ``parallel_pipeline`` decorator of a Stack Overflow
     answer; unlike it, the results are not pickled (arrays and tensors cross as handles), a
     failure reaches the caller, stopping early stops every process, and it works under every
     start method.
@@ -326,6 +381,24 @@ def stage(buffer_size: Any = 3, *, start_method: Optional[str] = None) -> Any:
 
     Returns:
         A decorator making :class:`Stage` objects (``@stage`` without parentheses also works).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        @mp.stage(start_method="fork")
+        def h(items):
+            for x in items:
+                yield x * x
+
+        @mp.stage(start_method="fork")
+        def g(items):
+            for x in items:
+                yield x + 1
+
+        if __name__ == "__main__":
+            assert list(g(h(range(4)))) == [1, 2, 5, 10]   # h and g in processes of their own
+        ```
     """
     if callable(buffer_size):
         return Stage(buffer_size, 3, start_method)

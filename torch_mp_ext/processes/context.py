@@ -121,33 +121,51 @@ class DefaultContext(_ctx.BaseContext):
     def get_context(  # type: ignore[override]  # the stdlib stub overloads per method
         self, method: str | None = None
     ) -> _ctx.BaseContext:
+        """torch_mp_ext's context for ``method`` (default: the current start method)."""
         return _concrete(multiprocessing.get_start_method() if method is None else method)
 
     def get_start_method(  # type: ignore[override]  # as the stdlib's, unoverloaded
         self, allow_none: bool = False
     ) -> str | None:
+        """The standard library's current start method (``multiprocessing``'s own)."""
         return multiprocessing.get_start_method(allow_none)
 
     def set_start_method(self, method: str | None, force: bool = False) -> None:
+        """Sets the standard library's start method, which this context follows."""
         multiprocessing.set_start_method(method, force)
 
     def get_all_start_methods(self) -> list[str]:
+        """The start methods this platform offers."""
         return multiprocessing.get_all_start_methods()
 
     def set_forkserver_preload(self, module_names: list[str]) -> None:
+        """Modules torch_mp_ext's forkserver imports before it forks workers."""
         forkserver.set_preload(module_names)
 
     # Queue-like factories follow the concrete context, so torch_mp_ext's overrides apply.
     def Queue(self, maxsize: int = 0, **kwargs: Any) -> Any:  # noqa: N802 (stdlib name)
+        """A :class:`~torch_mp_ext.queues.Queue` of the current start method's context."""
         return self.get_context().Queue(maxsize, **kwargs)
 
     def JoinableQueue(self, maxsize: int = 0, **kwargs: Any) -> Any:  # noqa: N802
+        """A :class:`~torch_mp_ext.queues.JoinableQueue` of the current context."""
         return self.get_context().JoinableQueue(maxsize, **kwargs)
 
     def SimpleQueue(self, **kwargs: Any) -> Any:  # noqa: N802
+        """A :class:`~torch_mp_ext.queues.SimpleQueue` of the current context."""
         return self.get_context().SimpleQueue(**kwargs)
 
 
 default_context = DefaultContext()
 """The context the top-level names (``mp.Process``, ``mp.Queue``, ``mp.get_context`` ...) are
-bound to, as ``multiprocessing`` binds them to its own default context."""
+bound to, as ``multiprocessing`` binds them to its own default context.
+
+Example:
+    ```python
+    import torch_mp_ext as mp
+    from torch_mp_ext.processes import default_context
+
+    ctx = default_context.get_context("forkserver")   # what mp.get_context returns
+    assert type(ctx) is type(mp.get_context("forkserver"))
+    ```
+"""

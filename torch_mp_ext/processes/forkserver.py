@@ -196,6 +196,18 @@ def start_forkserver() -> None:
     The first ``start_processes(..., start_method="forkserver")`` otherwise waits for the
     server to import torch (about as long as ``import torch`` takes); started early, the
     server does that while this process goes on with its own work.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def work(rank):
+            pass
+
+        if __name__ == "__main__":
+            mp.start_forkserver()   # the server imports torch while this process goes on
+            mp.start_processes(work, nprocs=2, start_method="forkserver")
+        ```
     """
     _server.ensure_running()
 

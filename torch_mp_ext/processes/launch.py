@@ -288,6 +288,20 @@ def launch(
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a worker failed
             and no restart was left; the message names the first failure, its rank, host
             and traceback (from its error file).
+
+    Example:
+        ```python
+        import torch.distributed as dist
+        import torch_mp_ext as mp
+
+        def train(local_rank):
+            dist.init_process_group("gloo")   # MASTER_ADDR, RANK, WORLD_SIZE are set
+            assert dist.get_world_size() == 2
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.launch(train, nprocs=2)
+        ```
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got nprocs={nprocs}")

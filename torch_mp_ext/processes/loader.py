@@ -85,6 +85,17 @@ class DataLoader(_TorchDataLoader):
     A worker death that is not replaced raises
     :class:`~torch_mp_ext.errors.DataLoaderWorkerError` (a ``RuntimeError``): torch's message
     ("DataLoader worker (pid 12) is killed by signal: Killed.") followed by the cause.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+
+        if __name__ == "__main__":
+            data = torch.utils.data.TensorDataset(torch.arange(64.0))
+            loader = mp.DataLoader(data, batch_size=16, num_workers=2, max_worker_restarts=1)
+            assert sum(batch.sum().item() for (batch,) in loader) == sum(range(64))
+        ```
     """
 
     def __init__(self, dataset: Any, *args: Any, max_worker_restarts: int = 0,

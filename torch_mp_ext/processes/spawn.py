@@ -53,7 +53,16 @@ from .worker import (
 
 ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"
 """torch's environment variable: ``0`` starts forkserver workers one after another through
-the standard library's forkserver (torch's behaviour); ``1`` or unset, the fast path."""
+the standard library's forkserver (torch's behaviour); ``1`` or unset, the fast path.
+
+Example:
+    ```python
+    import os
+    import torch_mp_ext as mp
+
+    os.environ[mp.ENV_VAR_PARALLEL_START] = "0"   # torch's one-at-a-time forkserver starts
+    ```
+"""
 
 # torch's logger name: handlers, filters and tests written for torch see our records too.
 log = logging.getLogger("torch.multiprocessing.spawn")
@@ -83,6 +92,21 @@ class ProcessContext:
         results: with ``return_values=True``, once :meth:`join` has returned True: what
             ``fn`` returned in each process, in index order (Note [Return values] in
             ``worker.py``); None until then, and without ``return_values``.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def work(rank):
+            return rank * 10
+
+        if __name__ == "__main__":
+            pc = mp.start_processes(work, nprocs=2, join=False, start_method="fork",
+                                    return_values=True)
+            while not pc.join(timeout=60):   # True once every process exited cleanly
+                pass
+            assert pc.results == [0, 10]
+        ```
     """
 
     # Set by start_processes: the OOM counters before start (see processes/exits.py) and the
@@ -236,7 +260,15 @@ class ProcessContext:
 
 
 class SpawnContext(ProcessContext):
-    """The old name of :class:`ProcessContext` (warns)."""
+    """The old name of :class:`ProcessContext` (warns).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        assert issubclass(mp.SpawnContext, mp.ProcessContext)   # use ProcessContext
+        ```
+    """
 
     def __init__(self, processes: list[Any], error_files: list[str]) -> None:
         warnings.warn("SpawnContext is renamed to ProcessContext since 1.4 release.", stacklevel=2)
@@ -294,6 +326,19 @@ def start_processes(
     Raises:
         ProcessRaisedException, ProcessExitedException: see :meth:`ProcessContext.join`.
         TypeError: ``kwargs`` is not a dict with string keys.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def train(rank, world_size):
+            return f"rank {rank} of {world_size}"
+
+        if __name__ == "__main__":
+            out = mp.start_processes(train, args=(2,), nprocs=2, start_method="fork",
+                                     return_values=True)
+            assert out == ["rank 0 of 2", "rank 1 of 2"]
+        ```
     """
     kwargs = _check_kwargs(kwargs)
     ctx, parallel, parent = launch_plan(start_method)
@@ -379,6 +424,21 @@ def spawn(
     Returns:
         If ``join``: None, or with ``return_values`` the list of ``fn``'s return values in
         index order. Else the :class:`ProcessContext` to join (``results`` once joined).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def train(rank):
+            if rank == 1:
+                raise ValueError("bad shard")
+
+        if __name__ == "__main__":
+            try:
+                mp.spawn(train, nprocs=2)
+            except mp.ProcessRaisedException as e:
+                assert isinstance(e.__cause__, ValueError)   # the child's exception object
+        ```
     """
     if start_method != "spawn":
         msg = (

@@ -97,6 +97,25 @@ class ArrayQueue:
         TypeError: ``template`` is not a numpy array or a CPU tensor.
         ValueError: ``maxsize`` is not a positive integer, or ``template`` holds no bytes or
             Python objects.
+
+    Example:
+        ```python
+        import numpy as np
+        import torch_mp_ext as mp
+
+        def produce(q):
+            for i in range(3):
+                a = q.new_array(timeout=60)   # a free block of the pool: no copy at all
+                a[:] = i
+                q.put(a)
+
+        if __name__ == "__main__":
+            q = mp.ArrayQueue(np.zeros((64, 64), np.float32), maxsize=2)
+            p = mp.Process(target=produce, args=(q,))
+            p.start()
+            assert [float(q.get(timeout=60)[0, 0]) for _ in range(3)] == [0.0, 1.0, 2.0]
+            p.join(60)
+        ```
     """
 
     def __init__(self, template: Array, maxsize: int) -> None:

@@ -157,5 +157,8 @@ class SimpleQueueCompat:
         return reduction.DupFd(r), reduction.DupFd(w)
 
     def close(self) -> None:
+        """Closes this process's handle of the queue (and its wake-up pipe); the queue
+        lives on in the other processes holding it. Any later call on this handle raises
+        ``ValueError``, as the standard library's does."""
         super().close()  # type: ignore[misc]
         self._doorbell_finalizer()

@@ -92,7 +92,17 @@ MAX_QUEUE_BYTES = 2**31
 DEFAULT_MAX_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_BYTES", 4 * 1024 * 1024 - 4096))
 """Bytes of frames a queue's ring holds at first (``TORCH_MP_EXT_QUEUE_BYTES``; reserved at
 creation; tensors and arrays count only for their handles). It grows unless ``max_bytes`` was
-given (Note [Ring growth] in ``csrc/queue/ring.h``)."""
+given (Note [Ring growth] in ``csrc/queue/ring.h``).
+
+Example:
+    ```python
+    import torch_mp_ext as mp
+    from torch_mp_ext.queues import DEFAULT_MAX_BYTES
+
+    q = mp.Queue()
+    assert q.max_bytes >= DEFAULT_MAX_BYTES   # grows on demand: unbounded like the stdlib's
+    ```
+"""
 MAX_GROW_BYTES = int(os.environ.get("TORCH_MP_EXT_QUEUE_MAX_BYTES", 64 << 30))
 """Bytes of frames a queue made without ``max_bytes`` may grow to
 (``TORCH_MP_EXT_QUEUE_MAX_BYTES``): address space mapped in each holder, pages only as used."""
@@ -500,6 +510,24 @@ class Queue(_RingQueue):
             Default: none; the ring starts at :data:`DEFAULT_MAX_BYTES` and grows (up to
             :data:`MAX_GROW_BYTES`) as items arrive.
         ctx: accepted for compatibility with ``multiprocessing.queues.Queue``; unused.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+
+        def consumer(q):
+            for batch in q.get_many(4, timeout=60):   # one lock for the lot
+                assert batch.shape == (32, 3)
+
+        if __name__ == "__main__":
+            q = mp.Queue()
+            p = mp.Process(target=consumer, args=(q,))
+            p.start()
+            q.put_many([torch.randn(32, 3) for _ in range(4)])
+            p.join(60)
+            assert p.exitcode == 0
+        ```
     """
 
 
@@ -515,6 +543,25 @@ class JoinableQueue(Queue):
     False after ``timeout``). A supervisor that restarts consumers calls ``task_done()`` once
     for each item a dead consumer took and never finished, if it wants ``join()`` to return.
     The kill-anywhere harness (tests/_kill_anywhere.py) checks the count after every kill.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def worker(q):
+            while (item := q.get(timeout=60)) is not None:
+                q.task_done()
+            q.task_done()
+
+        if __name__ == "__main__":
+            q = mp.JoinableQueue()
+            p = mp.Process(target=worker, args=(q,))
+            p.start()
+            for item in [1, 2, 3, None]:
+                q.put(item)
+            assert q.join(timeout=60)   # True: every item was marked done
+            p.join(60)
+        ```
     """
 
     _joinable = True
@@ -551,6 +598,22 @@ class SimpleQueue(SimpleQueueCompat, _RingQueue):
     Args:
         max_bytes: most bytes of pickled items queued at once (see :class:`Queue`).
         ctx: accepted for compatibility; unused.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def echo(q_in, q_out):
+            q_out.put(q_in.get() * 2)
+
+        if __name__ == "__main__":
+            q_in, q_out = mp.SimpleQueue(), mp.SimpleQueue()
+            p = mp.Process(target=echo, args=(q_in, q_out))
+            p.start()
+            q_in.put(21)
+            assert q_out.get(timeout=60) == 42   # a timeout is an extension
+            p.join(60)
+        ```
     """
 
     def __init__(self, *, max_bytes: Optional[int] = None, ctx: Any = None) -> None:
@@ -565,4 +628,8 @@ class SimpleQueue(SimpleQueueCompat, _RingQueue):
     # keeps the doorbell in both (Note [Doorbell]). Not wrappers: a Python frame per call
     # was a seventh of a small item's round trip.
     get = _RingQueue.get
+    """Removes and returns the oldest item, waiting for one (same arguments as
+    :meth:`Queue.get`; the standard library's ``SimpleQueue.get()`` takes none)."""
     put = _RingQueue.put
+    """Adds ``obj`` at the end (same arguments as :meth:`Queue.put`; the standard
+    library's ``SimpleQueue.put(obj)`` takes only the item)."""

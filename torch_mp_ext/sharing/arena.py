@@ -74,6 +74,16 @@ def empty(*size: _SizeArg, dtype: torch.dtype | None = None,
         *size: the shape, as integers or one sequence.
         dtype: defaults to ``torch.get_default_dtype()``.
         requires_grad: whether autograd records operations on it.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+
+        t = mp.empty(2, 3, dtype=torch.float16)   # or mp.empty((2, 3))
+        t.fill_(1)
+        assert t.shape == (2, 3) and mp.is_shared(t)
+        ```
     """
     shape = _parse_size(size)
     dtype = dtype or torch.get_default_dtype()
@@ -89,7 +99,21 @@ def empty(*size: _SizeArg, dtype: torch.dtype | None = None,
 
 def zeros(*size: _SizeArg, dtype: torch.dtype | None = None,
           requires_grad: bool = False) -> torch.Tensor:
-    """A zero-filled CPU tensor in shared memory (like ``torch.zeros``)."""
+    """A zero-filled CPU tensor in shared memory (like ``torch.zeros``).
+
+    Args:
+        *size: the shape, as integers or one sequence.
+        dtype: defaults to ``torch.get_default_dtype()``.
+        requires_grad: whether autograd records operations on it.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        counts = mp.zeros(4)
+        assert counts.sum().item() == 0 and mp.is_shared(counts)
+        ```
+    """
     tensor = empty(*size, dtype=dtype)
     tensor.zero_()
     return tensor.requires_grad_(requires_grad)
@@ -98,14 +122,45 @@ def zeros(*size: _SizeArg, dtype: torch.dtype | None = None,
 def empty_like(
     tensor: torch.Tensor, *, dtype: torch.dtype | None = None, requires_grad: bool = False
 ) -> torch.Tensor:
-    """An uninitialised shared-memory tensor with ``tensor``'s shape (contiguous)."""
+    """An uninitialised shared-memory tensor with ``tensor``'s shape (contiguous).
+
+    Args:
+        tensor: the tensor whose shape (and, by default, dtype) to take.
+        dtype: overrides ``tensor``'s dtype.
+        requires_grad: whether autograd records operations on it.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+
+        batch = torch.randn(8, 3)
+        shared = mp.empty_like(batch).copy_(batch)
+        assert torch.equal(shared, batch) and mp.is_shared(shared)
+        ```
+    """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"empty_like() takes a tensor, got {type(tensor).__name__}")
     return empty(tensor.shape, dtype=dtype or tensor.dtype, requires_grad=requires_grad)
 
 
 def empty_array(shape: _SizeArg, dtype: Any = np.float64) -> np.ndarray:
-    """An uninitialised numpy array in shared memory (like ``numpy.empty``)."""
+    """An uninitialised numpy array in shared memory (like ``numpy.empty``).
+
+    Args:
+        shape: an int or a sequence of ints.
+        dtype: anything ``numpy.dtype`` accepts, except object dtypes.
+
+    Example:
+        ```python
+        import numpy as np
+        import torch_mp_ext as mp
+
+        frame = mp.empty_array((480, 640, 3), np.uint8)
+        frame[:] = 255
+        assert mp.is_shared(frame)   # crosses processes as a handle, never copied
+        ```
+    """
     shape = _parse_size((shape,))  # an int too: negative sizes are ValueError here
     try:
         dtype = np.dtype(dtype)
@@ -120,7 +175,20 @@ def empty_array(shape: _SizeArg, dtype: Any = np.float64) -> np.ndarray:
 
 
 def zeros_array(shape: _SizeArg, dtype: Any = np.float64) -> np.ndarray:
-    """A zero-filled numpy array in shared memory (like ``numpy.zeros``)."""
+    """A zero-filled numpy array in shared memory (like ``numpy.zeros``).
+
+    Args:
+        shape: an int or a sequence of ints.
+        dtype: anything ``numpy.dtype`` accepts, except object dtypes.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        acc = mp.zeros_array(1000)
+        assert acc.sum() == 0 and mp.is_shared(acc)
+        ```
+    """
     arr = empty_array(shape, dtype)
     arr.fill(0)
     return arr
@@ -134,6 +202,19 @@ def is_shared(obj: torch.Tensor | np.ndarray) -> bool:
 
     Raises:
         TypeError: ``obj`` is neither a tensor nor a numpy array.
+
+    Args:
+        obj: a tensor (CPU or CUDA) or a numpy array.
+
+    Example:
+        ```python
+        import numpy as np
+        import torch
+        import torch_mp_ext as mp
+
+        assert mp.is_shared(mp.empty(3)) and not mp.empty(3).is_shared()
+        assert not mp.is_shared(torch.empty(3)) and not mp.is_shared(np.empty(3))
+        ```
     """
     if not isinstance(obj, (torch.Tensor, np.ndarray)):
         raise TypeError(f"is_shared() takes a tensor or a numpy array, got "
@@ -153,6 +234,24 @@ def share_(obj: T) -> T:
     ``obj`` may be a tensor, a ``torch.nn.Module`` (parameters and buffers), or a dict,
     list or tuple of those, nested (a ``state_dict``). Every view of a moved storage follows
     it (Note [Moving storages in place] in ``sharing/memory.py``). Tensors already shared stay put.
+
+    Args:
+        obj: a tensor, an ``nn.Module``, or a dict, list or tuple of them.
+
+    Returns:
+        ``obj`` itself.
+
+    Raises:
+        TypeError: ``obj`` is none of those.
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+
+        model = mp.share_(torch.nn.Linear(4, 2))   # for Hogwild-style workers
+        assert all(mp.is_shared(p) for p in model.parameters())
+        ```
     """
     if isinstance(obj, torch.Tensor):
         _memory.move_storage_(obj.untyped_storage())
@@ -174,10 +273,32 @@ def share_(obj: T) -> T:
 
 
 def empty_cache() -> int:
-    """Returns fully free pooled segments of this process to the OS; returns bytes freed."""
+    """Returns fully free pooled segments of this process to the OS; returns bytes freed.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        t = mp.empty(1 << 20)
+        del t
+        freed = mp.empty_cache()   # 0 when every segment still has a live block
+        assert freed >= 0
+        ```
+    """
     return _C.empty_cache()
 
 
 def memory_stats() -> dict[str, int]:
-    """This process's arena and mapping counters (segments, bytes, live blocks, ...)."""
+    """This process's arena and mapping counters (segments, bytes, live blocks, ...).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        t = mp.empty(1024)
+        stats = mp.memory_stats()
+        assert all(isinstance(v, int) for v in stats.values())
+        print(sorted(stats))
+        ```
+    """
     return dict(_C.arena_stats())

@@ -90,7 +90,15 @@ _pickler: Any = None
 
 def get_pickle_by_value() -> bool:
     """Whether objects that cannot be pickled by reference are pickled by value
-    (Note [By-value fallback]); ``TORCH_MP_EXT_PICKLE_BY_VALUE=0`` starts with False."""
+    (Note [By-value fallback]); ``TORCH_MP_EXT_PICKLE_BY_VALUE=0`` starts with False.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        assert mp.get_pickle_by_value() is True   # unless TORCH_MP_EXT_PICKLE_BY_VALUE=0
+        ```
+    """
     return _enabled
 
 
@@ -103,6 +111,14 @@ def set_pickle_by_value(enabled: bool) -> None:
 
     Raises:
         TypeError: ``enabled`` is not a bool.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        mp.set_pickle_by_value(False)   # lambdas sent to spawn children fail, as in the stdlib
+        assert mp.get_pickle_by_value() is False
+        ```
     """
     global _enabled
     if not isinstance(enabled, bool):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.util
 import os
+import sys
 import threading
 from typing import Any, Optional, Tuple
 
@@ -45,12 +46,34 @@ __all__ = [
     "NUMPY_MIN_SHARED_BYTES",
 ]
 
+log = logging.getLogger(__name__)
+
+
+def _numpy_min_bytes(value: str) -> int:
+    """``TORCH_MP_EXT_NUMPY_MIN_BYTES``: a size in bytes, or ``off``.
+
+    Note [Arrays by value on request]: ``import torch_mp_ext`` registers a numpy reducer with
+    ``ForkingPickler`` for the whole process, so even a stdlib ``Pool`` sends large arrays
+    through the arena. ``off`` is the switch back to the standard library's behaviour: no
+    ordinary array is ever large enough to be moved into a block (arrays born in one still
+    cross as handles: they are shared memory already).
+    """
+    if value.strip().lower() == "off":
+        return sys.maxsize
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"TORCH_MP_EXT_NUMPY_MIN_BYTES={value!r} is neither a size in bytes nor 'off': "
+            "set it to the smallest array (in bytes) to send through shared memory, or to "
+            "'off' to pickle numpy arrays by value as the standard library does") from None
+
+
 #: numpy arrays smaller than this that are not already in shared memory are pickled by
 #: value: for them a copy through the pipe is cheaper than a block (the result is the same,
 #: since such arrays are copied either way).
-log = logging.getLogger(__name__)
-
-NUMPY_MIN_SHARED_BYTES = int(os.environ.get("TORCH_MP_EXT_NUMPY_MIN_BYTES", 64 * 1024))
+NUMPY_MIN_SHARED_BYTES = _numpy_min_bytes(os.environ.get("TORCH_MP_EXT_NUMPY_MIN_BYTES",
+                                                         str(64 * 1024)))
 
 
 def extent(arr: np.ndarray) -> tuple[int, int]:

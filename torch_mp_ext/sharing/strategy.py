@@ -32,6 +32,14 @@ def set_sharing_strategy(new_strategy: str) -> None:
     Raises:
         InvalidSharingStrategyError: (a ``ValueError`` and an ``AssertionError``) for an
             unknown name.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        mp.set_sharing_strategy("file_system")   # named segments instead of fds
+        assert mp.get_sharing_strategy() == "file_system"
+        ```
     """
     if new_strategy not in _all_sharing_strategies:
         raise InvalidSharingStrategyError(
@@ -42,10 +50,26 @@ def set_sharing_strategy(new_strategy: str) -> None:
 
 
 def get_sharing_strategy() -> str:
-    """Returns the current strategy for sharing CPU tensors."""
+    """Returns the current strategy for sharing CPU tensors.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        assert mp.get_sharing_strategy() == "file_descriptor"   # the default on Linux
+        ```
+    """
     return _torch_mp.get_sharing_strategy()
 
 
 def get_all_sharing_strategies() -> set[str]:
-    """Returns the set of sharing strategies supported on this platform."""
+    """Returns the set of sharing strategies supported on this platform.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        assert mp.get_all_sharing_strategies() == {"file_descriptor", "file_system"}
+        ```
+    """
     return set(_all_sharing_strategies)

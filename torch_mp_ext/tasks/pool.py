@@ -114,6 +114,21 @@ class TaskPool(TaskState, Pump):
     ``fn`` and its arguments must pickle (lambdas and local functions are pickled by value,
     Note [By-value fallback] in ``sharing/byvalue.py``). Used as a context manager, the pool
     is shut down (waiting for its tasks) on exit.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def squares(n):
+            for i in range(n):
+                yield i * i
+
+        if __name__ == "__main__":
+            with mp.TaskPool(2, start_method="fork") as pool:
+                stream = pool.submit(squares, 4, num_returns="streaming")
+                assert [ref.get(timeout=60) for ref in stream] == [0, 1, 4, 9]
+                assert pool.submit(pow, 2, 10).get(timeout=60) == 1024
+        ```
     """
 
     def __init__(self, processes: int | None = None, *, start_method: str | None = None,

@@ -70,6 +70,17 @@ class Ref:
     Refs pickle: pass them to other tasks (a top-level argument arrives as its value, a
     nested one as a Ref whose :meth:`get` works in the worker), or put them in values. Every
     copy in every process keeps the value alive; it is freed when the last copy goes.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                ref = pool.submit(sum, [1, 2, 3])
+                total = pool.submit(abs, ref)   # a ref as an argument: the value, resolved
+                assert ref.get(timeout=60) == 6 and total.get(timeout=60) == 6
+        ```
     """
 
     __slots__ = ("__weakref__", "_entry")
@@ -132,6 +143,21 @@ class RefGenerator:
     A streaming generator raises the task's exception at the position where the task raised
     it, waits with :meth:`next` (``timeout``), stops the task with :meth:`cancel` and
     cannot be pickled; a dynamic one pickles (pass it to another task).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def count(n):
+            yield from range(n)
+
+        if __name__ == "__main__":
+            with mp.TaskPool(1, start_method="fork") as pool:
+                ref = pool.submit(count, 3, num_returns="dynamic")
+                gen = ref.get(timeout=60)   # a RefGenerator, once the task has ended
+                assert isinstance(gen, mp.RefGenerator)
+                assert mp.get(list(gen), timeout=60) == [0, 1, 2]
+        ```
     """
 
     def __init__(self, refs: Iterable[Ref] = (), *, _stream: Any = None) -> None:
@@ -218,6 +244,16 @@ def get(refs: Ref | Sequence[Ref], timeout: float | None = None) -> Any:
     Raises:
         GetTimeoutError: not all ready in time. Whatever :meth:`Ref.get` raises.
         TypeError: ``refs`` holds something else than refs.
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        if __name__ == "__main__":
+            with mp.TaskPool(2, start_method="fork") as pool:
+                refs = [pool.submit(pow, i, 2) for i in range(4)]
+                assert mp.get(refs, timeout=60) == [0, 1, 4, 9]
+        ```
     """
     if isinstance(refs, Ref):
         return refs.get(timeout)
@@ -234,12 +270,29 @@ def wait(refs: Sequence[Ref], num_returns: int = 1,
          timeout: float | None = None) -> tuple[list[Ref], list[Ref]]:
     """Waits until ``num_returns`` of ``refs`` are ready, or ``timeout`` seconds passed.
 
+    Args:
+        refs: refs of any tasks of any pools.
+        num_returns: how many ready refs to wait for.
+        timeout: most seconds to wait (``None``: until ``num_returns`` are ready).
+
     Returns:
         ``(ready, not_ready)``: at most ``num_returns`` ready refs and the others, each in
         the order given (Ray's ``ray.wait``).
 
     Raises:
         ValueError: ``num_returns`` is not between 1 and ``len(refs)``.
+
+    Example:
+        ```python
+        import time
+        import torch_mp_ext as mp
+
+        if __name__ == "__main__":
+            with mp.TaskPool(2, start_method="fork") as pool:
+                refs = [pool.submit(time.sleep, s) for s in (0.0, 2.0)]
+                ready, pending = mp.wait(refs, num_returns=1, timeout=60)
+                assert ready == refs[:1] and pending == refs[1:]
+        ```
     """
     refs = list(refs)
     if not all(isinstance(r, Ref) for r in refs):
