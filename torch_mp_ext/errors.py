@@ -274,7 +274,27 @@ class BorrowedWriteError(TorchMPExtError, RuntimeError):
     :class:`~torch_mp_ext.StateDictChannel` was written in place (an optimizer step,
     BatchNorm's running statistics in train mode, an in-place op under ``no_grad``): the
     write went into shared memory that every collector borrowing that version reads (Note
-    [Borrowed versions] in ``csrc/exchange/latest.h``)."""
+    [Borrowed versions] in ``csrc/exchange/latest.h``).
+
+    Example:
+        ```python
+        import torch
+        import torch_mp_ext as mp
+        from torch_mp_ext.errors import BorrowedWriteError
+
+        learner, collector = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+        channel = mp.StateDictChannel(learner)
+        channel.publish(learner)
+        channel.borrow_into(collector)          # views of version 0, no copy
+        collector.bias.add_(1)                  # a write into every reader's weights
+        channel.publish(learner)
+        try:
+            channel.borrow_into(collector)
+        except BorrowedWriteError as e:
+            print("caught:", e)
+        channel.close()
+        ```
+    """
 
 
 class TaskError(TorchMPExtError):
@@ -581,12 +601,36 @@ class CudaSharingWarning(RuntimeWarning):
 class TorchVersionError(TorchMPExtError, ImportError):
     """The installed torch lacks a private name torch_mp_ext needs (Note [Torch internals] in
     ``torch_internals.py``): raised by ``import torch_mp_ext``, naming it and the torch
-    versions torch_mp_ext was tested with."""
+    versions torch_mp_ext was tested with.
+
+    Example:
+        ```python
+        import subprocess
+        import sys
+
+        # A torch without one of the names (as a release that renamed it would be):
+        code = "import torch._utils; del torch._utils._rebuild_tensor; import torch_mp_ext"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        print(out.stderr.splitlines()[-1])   # torch_mp_ext.errors.TorchVersionError: ...
+        assert "TorchVersionError" in out.stderr
+        ```
+    """
 
 
 class UntestedTorchWarning(UserWarning):
     """The installed torch is not one torch_mp_ext was tested with, though every private name
-    it needs is present (Note [Torch internals] in ``torch_internals.py``)."""
+    it needs is present (Note [Torch internals] in ``torch_internals.py``).
+
+    Example:
+        ```python
+        import warnings
+        from torch_mp_ext.errors import UntestedTorchWarning
+
+        # Silence it once the test suite passed on your torch:
+        warnings.filterwarnings("ignore", category=UntestedTorchWarning)
+        import torch_mp_ext  # noqa: F401
+        ```
+    """
 
 
 class ForkAfterThreadsWarning(RuntimeWarning):

@@ -82,6 +82,47 @@ class HostChannel:
     :class:`~torch_mp_ext.PeriodicalModelExchanger` (``backend="shm"``, the default). It
     pickles to child processes under every start method. Methods it does not define are the
     channel's.
+
+    Args:
+        channel: the host's channel (made by :class:`HostRelay`).
+        status: the learner's fate as the relay saw it (made by :class:`HostRelay`).
+
+    Example:
+        ```python
+        import torch
+        import torch.distributed as dist
+        import torch_mp_ext as mp
+
+        def collector(channel):                 # a process on the relay's host
+            model = torch.nn.Linear(4, 2)
+            models = mp.ModelExchanger(model, role="collector", channel=channel)
+            while not models.finished:          # PeerDiedError if the learner died
+                models.receive(timeout=60)
+            print("collector has bias", model.bias.tolist())
+
+        def host(local_rank):
+            dist.init_process_group("gloo")
+            model = torch.nn.Linear(4, 2)
+            if dist.get_rank() == 0:            # the learner
+                models = mp.ModelExchanger(model, role="learner", backend="gloo")
+                for step in range(1, 4):
+                    with torch.no_grad():
+                        model.bias.fill_(step)
+                    models.send()
+                models.close()
+            else:                               # this host's relay: one network copy
+                relay = mp.HostRelay(model)
+                ctx = mp.get_context("forkserver")
+                p = ctx.Process(target=collector, args=(relay.channel,))
+                p.start()
+                relay.join()                    # until the learner closes
+                p.join(60)
+                relay.close()
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.launch(host, nprocs=2)
+        ```
     """
 
     def __init__(self, channel: StateDictChannel, status: _LearnerStatus) -> None:
@@ -143,7 +184,49 @@ class HostChannel:
 class HostContextChannel:
     """What a host's collectors pass as ``ContextExchanger(..., channel=...)``: the relay's
     :class:`~torch_mp_ext.ContextChannel` plus the learner's fate (Note [Hierarchical
-    exchange]). Pickles to child processes."""
+    exchange]). Pickles to child processes.
+
+    Args:
+        channel: the host's context channel (made by ``HostRelay(..., contexts=True)``).
+        status: the learner's fate as the relay saw it (made by :class:`HostRelay`).
+
+    Example:
+        ```python
+        import torch
+        import torch.distributed as dist
+        import torch_mp_ext as mp
+
+        from torch_mp_ext.exchange import Context
+
+        def collector(channel):                   # relay.context_channel: a HostContextChannel
+            contexts = mp.ContextExchanger(role="collector", channel=channel)
+            contexts.send(Context(total_step=0, env_step=64))   # up through the relay
+
+        def host(local_rank):
+            dist.init_process_group("gloo")
+            model = torch.nn.Linear(4, 2)
+            if dist.get_rank() == 0:              # the learner
+                models = mp.ModelExchanger(model, role="learner", backend="gloo")
+                contexts = mp.ContextExchanger(role="learner", backend="gloo")
+                ctx = Context()
+                contexts.receive(ctx, timeout=60)  # merges the collector's payload
+                print("learner got env_step", ctx.env_step)
+                contexts.close()
+                models.close()
+            else:
+                relay = mp.HostRelay(model, contexts=True)
+                p = mp.get_context("forkserver").Process(
+                    target=collector, args=(relay.context_channel,))
+                p.start()
+                p.join(60)
+                relay.join()
+                relay.close()
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.launch(host, nprocs=2)
+        ```
+    """
 
     def __init__(self, channel: ContextChannel, status: _LearnerStatus) -> None:
         self.channel = channel
@@ -202,6 +285,42 @@ class HostRelay:
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
         ValueError: this rank is the learner's, or the model differs from the learner's.
+    Example:
+        ```python
+        import torch
+        import torch.distributed as dist
+        import torch_mp_ext as mp
+
+        def collector(channel):                 # a process on the relay's host
+            model = torch.nn.Linear(4, 2)
+            models = mp.ModelExchanger(model, role="collector", channel=channel)
+            while not models.finished:          # PeerDiedError if the learner died
+                models.receive(timeout=60)
+            print("collector has bias", model.bias.tolist())
+
+        def host(local_rank):
+            dist.init_process_group("gloo")
+            model = torch.nn.Linear(4, 2)
+            if dist.get_rank() == 0:            # the learner
+                models = mp.ModelExchanger(model, role="learner", backend="gloo")
+                for step in range(1, 4):
+                    with torch.no_grad():
+                        model.bias.fill_(step)
+                    models.send()
+                models.close()
+            else:                               # this host's relay: one network copy
+                relay = mp.HostRelay(model)
+                ctx = mp.get_context("forkserver")
+                p = ctx.Process(target=collector, args=(relay.channel,))
+                p.start()
+                relay.join()                    # until the learner closes
+                p.join(60)
+                relay.close()
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            mp.launch(host, nprocs=2)
+        ```
     """
 
     def __init__(self, model: Any, *, backend: str = "gloo", learner_rank: int = 0,

@@ -176,6 +176,24 @@ class LaunchContext:
     ``join(timeout)`` returns True once the workers finished (then :attr:`return_values`
     holds theirs), False if they still run after ``timeout``; it raises what the agent
     raised (``ChildFailedError`` when a worker failed and no restart was left).
+
+    Args:
+        run: runs the agent and returns ``{global rank: return value}`` (made by
+            :func:`launch`).
+
+    Example:
+        ```python
+        import torch_mp_ext as mp
+
+        def work(local_rank):
+            return local_rank * 10
+
+        if __name__ == "__main__":
+            ctx = mp.launch(work, nprocs=2, join=False)   # a LaunchContext
+            while not ctx.join(timeout=1):
+                pass                                     # the parent is free meanwhile
+            assert ctx.return_values == {0: 0, 1: 10}
+        ```
     """
 
     def __init__(self, run: Callable[[], dict]) -> None:

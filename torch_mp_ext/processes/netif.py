@@ -108,7 +108,7 @@ def set_gloo_socket_ifname(master_addr: str | None = None) -> str | None:
     Call it before ``torch.distributed.init_process_group("gloo")``; :func:`launch`'s
     workers have it called for them. It changes nothing when the variable (or
     ``GLOO_SOCKET_IFADDR``) is set already, or when the master is on a loopback address
-    (one machine: gloo's default is right). Note [Gloo's interface].
+    (one machine: gloo's default is right).
 
     Args:
         master_addr: the rendezvous host; default ``$MASTER_ADDR`` (as torchrun and
@@ -116,6 +116,15 @@ def set_gloo_socket_ifname(master_addr: str | None = None) -> str | None:
 
     Returns:
         The value of ``GLOO_SOCKET_IFNAME`` now (None if it stays unset).
+
+    Example:
+        ```python
+        import os
+        import torch_mp_ext as mp
+
+        # In a torchrun worker, before init_process_group("gloo"):
+        print(mp.set_gloo_socket_ifname(os.environ.get("MASTER_ADDR", "127.0.0.1")))
+        ```
     """
     if ENV_VAR in os.environ or "GLOO_SOCKET_IFADDR" in os.environ:
         return os.environ.get(ENV_VAR)
