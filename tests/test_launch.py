@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -73,6 +74,8 @@ def test_gloo_all_reduce_across_three_local_workers(monkeypatch):
     # torchrun's defaults are the workers', not the caller's: nothing changed here
     assert "OMP_NUM_THREADS" not in os.environ
     assert signal.getsignal(signal.SIGTERM) is handler
+    # nor does the standard library's forkserver the agent started outlive the call
+    assert multiprocessing.forkserver._forkserver._forkserver_pid is None
 
 
 def test_two_machines_on_loopback_form_one_group(monkeypatch):

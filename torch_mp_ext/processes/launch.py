@@ -43,9 +43,9 @@ around it:
   processes in one method (``LocalElasticAgent._start_workers``), with nothing to plug in;
 - the caller's process is left as it was: ``OMP_NUM_THREADS``, ``TORCH_MP_PARALLEL_START``
   and the signal handlers the agent installs (SIGTERM, SIGINT, SIGHUP, SIGQUIT: torchrun is
-  a process of its own, :func:`launch` is a call) are restored when it returns. What stays:
-  the standard library's forkserver, if the agent started it (with its preload list), as
-  after any use of that start method.
+  a process of its own, :func:`launch` is a call) are restored when it returns, and the
+  standard library's forkserver, if the agent started it, is stopped (it would outlive the
+  call, holding fds the caller opened before it).
 
 The agent watches its workers by polling (every ``monitor_interval`` seconds, 0.1 s as in
 torchrun): that is elastic's design, and the price of its restarts and membership changes.
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.forkserver as _stdlib_forkserver
 import os
 import pickle
 import signal
@@ -372,6 +373,8 @@ def launch(
 
     def run() -> dict[int, Any]:
         caller = _Caller(env)
+        server = _stdlib_forkserver._forkserver
+        had_server = server._forkserver_pid is not None
         try:
             return elastic_launch(config, _worker)(payload)
         except ChildFailedError as exc:
@@ -381,6 +384,8 @@ def launch(
             raise exc.with_traceback(None) from None
         finally:
             caller.restore()
+            if not had_server and server._forkserver_pid is not None:
+                server._stop()  # the agent started it: the caller's process as it was
 
     if not join:
         return LaunchContext(run)
