@@ -268,7 +268,7 @@ def plot_exchange(doc: dict[str, Any], path: str) -> str:
     ax.set_ylabel("ms (log)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=6.5, ncol=2)
-    return _save(fig, path)
+    return _save(fig, path, doc)
 
 
 def _plot_exchange_bars(doc: dict[str, Any], path: str) -> str:

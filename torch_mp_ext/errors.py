@@ -286,7 +286,8 @@ class BorrowedWriteError(TorchMPExtError, RuntimeError):
         channel = mp.StateDictChannel(learner)
         channel.publish(learner)
         channel.borrow_into(collector)          # views of version 0, no copy
-        collector.bias.add_(1)                  # a write into every reader's weights
+        with torch.no_grad():
+            collector.bias.add_(1)              # a write into every reader's weights
         channel.publish(learner)
         try:
             channel.borrow_into(collector)

@@ -211,8 +211,8 @@ class HostContextChannel:
                 ctx = Context()
                 contexts.receive(ctx, timeout=60)  # merges the collector's payload
                 print("learner got env_step", ctx.env_step)
-                contexts.close()
-                models.close()
+                models.close()                    # the relays' join() returns
+                contexts.close()                  # waits for every relay's close()
             else:
                 relay = mp.HostRelay(model, contexts=True)
                 p = mp.get_context("forkserver").Process(
