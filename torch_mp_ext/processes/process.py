@@ -8,8 +8,8 @@ with one intra-op thread, as DataLoader workers do; spawn and forkserver childre
 untouched. The flag is set in the parent just around fork and read by an at-fork hook.
 This is a drop-in difference: ``torch.get_num_threads()`` is 1 in every such child, not the
 parent's count. Workers of tiny ops run several times faster for it (no waiting for a second
-OpenMP thread on CPUs that other workers use), which changes the course of asynchronous
-(Hogwild) training but not its distribution at equal thread counts (issue 36,
+OpenMP thread on CPUs that other workers use), which changes the course of each run of an
+asynchronous (Hogwild) program but not measurably the distribution of its results (issue 36,
 ``tools/a3c_ab.py``, docs/troubleshooting.md "Asynchronous training learns differently").
 
 Note [Strategy inheritance]
