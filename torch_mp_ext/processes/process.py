@@ -6,6 +6,11 @@ parallel op: the child's first parallel op waits forever for threads that only e
 parent (torch.multiprocessing hangs there). Children forked by torch_mp_ext's Process run torch
 with one intra-op thread, as DataLoader workers do; spawn and forkserver children are
 untouched. The flag is set in the parent just around fork and read by an at-fork hook.
+This is a drop-in difference: ``torch.get_num_threads()`` is 1 in every such child, not the
+parent's count. Workers of tiny ops run several times faster for it (no waiting for a second
+OpenMP thread on CPUs that other workers use), which changes the course of each run of an
+asynchronous (Hogwild) program but not measurably the distribution of its results (issue 36,
+``tools/a3c_ab.py``, docs/troubleshooting.md "Asynchronous training learns differently").
 
 Note [Strategy inheritance]
 torch.multiprocessing's sharing strategy is a per-process global: spawn and forkserver
