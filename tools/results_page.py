@@ -164,15 +164,39 @@ def dataloader_table(doc: Doc) -> str:
                    "ratio", "peak PSS MiB, default / ours"], rows)
 
 
+ZERO, COPY = "tmx zero-copy", "tmx copy"
+QUEUE, GLOO = "torch.mp Queue (snapshot)", "gloo broadcast"
+PUBLISH = "publish (one memcpy into the channel)"
+
+
+def _exchange_cells(doc: Doc) -> Dict[Tuple[str, int, int], float]:
+    """(series, MB, collectors) -> median seconds per version; floors without collectors
+    ("memcpy") under collectors 0."""
+    return {(r["series"], round(r["nbytes"] / 1e6), r.get("collectors", 0)): r["median_s"]
+            for r in doc["rows"]}
+
+
 def exchange_table(doc: Doc) -> str:
-    t = {r["series"]: r["median_s"] for r in doc["rows"]}
-    ours = t["torch_mp_ext"]
-    alone = {name for name in t if "one reader" in name or "floor" in name}
-    rows = [[name, f"{s * 1e3:.1f}", ratio(s / ours)] for name, s in t.items()
-            if name not in alone]
-    return (_table(["contender", "median ms", "vs torch_mp_ext"], rows)
-            + "\n\nOne collector's cost alone, against one `memcpy` of the same bytes:\n\n"
-            + _table(["reader", "median ms"], [[n, f"{t[n] * 1e3:.1f}"] for n in sorted(alone)]))
+    t = _exchange_cells(doc)
+    configs = sorted({(mb, n) for (_, mb, n) in t if n})
+    rows = []
+    one = configs[0][1]
+    for mb, n in configs:
+        zero = t.get((ZERO, mb, n))
+        cells = [t.get((series, mb, n)) for series in (ZERO, COPY, QUEUE, GLOO, PUBLISH)]
+        shown = ["—" if v is None else f"{v * 1e3:.1f}" for v in cells]
+
+        def per(other: float | None, zero: float | None = zero) -> str:
+            return ratio(zero / other) if zero and other else "—"
+
+        queue = cells[2]
+        rows.append([f"{mb}", f"{n}", *shown, f"{t[('memcpy', mb, 0)] * 1e3:.1f}",
+                     ratio(queue / zero) if zero and queue else "—",
+                     per(t.get((ZERO, mb, one))), per(cells[4])])
+    return _table(["MB", "collectors", "zero-copy ms", "copy ms", "Queue snapshot ms",
+                   "gloo ms", "publish ms (floor)", "memcpy ms (floor)",
+                   "Queue / zero-copy", "zero-copy vs 1 collector", "zero-copy vs publish"],
+                  rows)
 
 
 def _growth(doc: Doc) -> Dict[Tuple[str, str], float]:
@@ -266,9 +290,13 @@ def figures(results: Dict[str, Doc]) -> Dict[str, str]:
     d = _cells(results["dataloader"], "series", "start_method", value="median_batches_per_s")
     out["dataloader.vs_default"] = span(d["torch_mp_ext", k] / d["default", k]
                                         for _, k in d if _ == "default")
-    e = {r["series"]: r["median_s"] for r in results["exchange"]["rows"]}
-    out["exchange.vs_queue"] = ratio(e["torch.mp Queue (snapshot)"] / e["torch_mp_ext"])
-    out["exchange.vs_gloo"] = ratio(e["gloo broadcast"] / e["torch_mp_ext"])
+    e = _exchange_cells(results["exchange"])
+    mb = min(m for (_, m, n) in e if n)  # the 100 MB rows
+    out["exchange.vs_queue"] = ratio(e[QUEUE, mb, 3] / e[ZERO, mb, 3])
+    out["exchange.vs_gloo"] = ratio(e[GLOO, mb, 3] / e[ZERO, mb, 3])
+    out["exchange.copy_vs_queue"] = ratio(e[QUEUE, mb, 3] / e[COPY, mb, 3])
+    out["exchange.16_vs_1"] = ratio(e[ZERO, mb, 16] / e[ZERO, mb, 1])
+    out["exchange.16_vs_publish"] = ratio(e[ZERO, mb, 16] / e[PUBLISH, mb, 16])
     dm = results["dataset_memory"]
     growth = _growth(dm)
     rows = {(r["series"], r["start_method"]): r for r in dm["rows"]}
