@@ -138,6 +138,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.mark.slow  # three Hogwild runs (two libraries and one process): the fast tier's budget
 def test_hogwild_with_a_shared_adam_matches_torch_and_one_process(one_thread):
     expected = _serial()
     for lib in (torch_mp, mp):

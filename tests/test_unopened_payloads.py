@@ -18,7 +18,7 @@ from torch_mp_ext.sharing.arena import memory_stats
 SCRIPT = Path(__file__).resolve().parent / "_unopened_script.py"
 
 
-@pytest.mark.parametrize("mode", ["kill", "raise"])
+@pytest.mark.parametrize("mode", [pytest.param("kill", marks=pytest.mark.slow), "raise"])
 def test_a_child_that_never_opened_its_payload_leaves_no_reference(mode, tmp_path):
     # The child holds a Queue, a SimpleQueue and an arena tensor in its payload. Killed while
     # it imports the main module (or failing to), it never unpickles them; the parent, once it
