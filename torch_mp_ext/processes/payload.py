@@ -18,6 +18,9 @@ So the parent keeps the payload until the child says it opened it:
     opened the payload, and the parent gives every reference in it back, walking it with the
     unpickler that drops dropped queue frames (Note [Releasing dropped frames] in
     ``sharing/pickling.py``; by-value calls are walked too).
+The byte is written after the child imported the modules the state names (the marker lists
+them: the target's, and its arguments' classes'), so that a slow import (a dataset's module
+under load) happens before it, not between it and the references taken over.
 A child that dies after the byte, half way through unpickling, keeps what it redeemed
 counted under its own key (reclaimed as a dead holder's) and leaks only the references it had
 not reached yet: giving those back could spend another handle's ticket, so they stay, as
@@ -26,6 +29,7 @@ after any crash.
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 import os
@@ -41,8 +45,15 @@ log = logging.getLogger(__name__)
 _OPENED = b"S"
 
 
-def _payload_opened(dupfd: Any) -> None:
-    """Runs in the child when its state's first key is unpickled: tells the parent."""
+def _payload_opened(dupfd: Any, modules: tuple = ()) -> None:
+    """Runs in the child when its state's first key is unpickled: imports the modules the
+    rest of the state names (so that the window between this byte and the last reference
+    taken over holds no import), then tells the parent."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 (the real unpickling raises it, with its context)
+            break
     fd = dupfd.detach()
     try:
         os.write(fd, _OPENED)
@@ -54,13 +65,14 @@ class _Marker:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self._dup: Any = None
+        self.modules: tuple = ()
 
     def __reduce__(self) -> tuple:
         # Once per payload: a by-value retry pickles the state again, and a second DupFd
         # would pass the fd to the child twice (spawn refuses duplicate fds_to_keep).
         if self._dup is None:
             self._dup = reduction.DupFd(self.fd)
-        return (_payload_opened, (self._dup,))
+        return (_payload_opened, (self._dup, self.modules))
 
 
 class PayloadGuard:
@@ -160,7 +172,17 @@ class GuardedPopen:
                 self._tmx_payload_guard = None
 
 
-def opened_marker(popen: Any) -> Optional[_Marker]:
-    """The marker for the payload ``popen`` is pickling, or None (fork, or another Popen)."""
+def opened_marker(popen: Any, state: dict) -> Optional[_Marker]:
+    """The marker for the payload ``popen`` is pickling, or None (fork, or another Popen);
+    it names the modules of what ``state`` holds (one level into ``_args`` and
+    ``_kwargs``), for the child to import before it signals."""
     guard = getattr(popen, "_tmx_payload_guard", None)
-    return None if guard is None else guard.marker()
+    if guard is None:
+        return None
+    marker = guard.marker()
+    objects = [*state.values(), *state.get("_args", ()), *state.get("_kwargs", {}).values()]
+    names = {getattr(x, "__module__", None) if callable(x) else type(x).__module__
+             for x in objects}
+    marker.modules = tuple(sorted(n for n in names if isinstance(n, str)
+                                  and n not in ("__main__", "builtins")))
+    return marker

@@ -94,7 +94,7 @@ class StrategyCarrier:
                     guard = getattr(_ctx.get_spawning_popen(), "_tmx_payload_guard", None)
                     if guard is not None:
                         guard.add_inner(data)
-        marker = payload.opened_marker(_ctx.get_spawning_popen())
+        marker = payload.opened_marker(_ctx.get_spawning_popen(), state)
         if marker is not None:  # Note [Unopened payloads]: unpickled first, so it goes first
             state = {"_tmx_opened": marker, **state}
         return state
