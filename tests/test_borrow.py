@@ -107,6 +107,50 @@ def test_a_write_into_borrowed_weights_raises_at_the_next_borrow():
         ch.release(model)
 
 
+def test_a_model_changed_between_borrows_is_planned_again():
+    """Later versions reuse the first borrow's plan (Note [Borrow plans]) only while the
+    model is the same tree of the same tensors; any change is seen at the next borrow."""
+    learner = trained_net()
+    ch = mp.StateDictChannel(learner)
+    ch.publish(learner)
+    model = w.Net().eval()
+    ch.borrow_into(model)
+    x = torch.randn(4, 64)
+    # a replaced Parameter and a replaced submodule are rebound, not their orphans
+    model.fc1.weight = torch.nn.Parameter(torch.zeros(256, 64))
+    model.fc2 = torch.nn.Linear(256, 8)
+    ch.publish(learner)
+    assert ch.borrow_into(model, newer_than=0) == 1
+    assert in_channel(model.fc1.weight) and in_channel(model.fc2.bias)
+    with torch.no_grad():
+        assert torch.equal(model(x), learner(x))
+    # a graph that saved the old weights refuses to run its backward: set_ counts
+    y = model.fc2(torch.ones(1, 256, requires_grad=True)).sum()
+    ch.publish(learner)
+    ch.borrow_into(model, newer_than=1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    del y  # its graph held version 1's fc2 weight
+    # a new dtype on the same Parameter objects, or a new submodule, is refused as before
+    model.double()
+    with pytest.raises(ValueError, match="is torch.float64"):
+        ch.borrow_into(model)
+    model.float()
+    model.extra = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="unexpected keys"):
+        ch.borrow_into(model)
+    del model.extra
+    # after release, writes into a borrow made later are still found
+    assert ch.release(model) is True
+    ch.borrow_into(model)
+    with torch.no_grad():
+        model.fc2.bias.add_(1)
+    with pytest.raises(BorrowedWriteError, match=r"\['fc2.bias'\]"):
+        ch.borrow_into(model)
+    del model
+    assert pins(ch) == []
+
+
 def test_bad_borrows_are_refused_naming_the_cause():
     ch = mp.StateDictChannel(w.Net())
     with pytest.raises(ValueError, match="copy=False is for receivers"):

@@ -33,7 +33,7 @@ __all__ = [
     "new_with_weak_ptr", "new_shared", "new_shared_cuda", "release_ipc_counter_cuda",
     "cuda_lazy_init", "replace_new_shared", "worker_loop", "WORKER_LOOP", "DatasetKind",
     "MultiProcessingDataLoaderIter", "remove_worker_pids", "set_worker_signal_handlers",
-    "ResumeIteration", "MP_STATUS_CHECK_INTERVAL",
+    "ResumeIteration", "MP_STATUS_CHECK_INTERVAL", "module_structure",
 ]
 
 #: torch releases (major.minor) the test suite ran on (docs/platforms.md).
@@ -107,9 +107,27 @@ def replace_new_shared(fn: Any) -> Any:
     return original
 
 
+def module_structure(module: torch.nn.Module) -> tuple[list[Any], list[tuple[Any, str, Any]]]:
+    """Where ``module``'s tensors live, as ``(containers, entries)``: every submodule's
+    child, parameter and buffer containers, and every ``(container, name, object)`` entry
+    of them. While the containers keep their lengths and entries, the module computes with
+    the same tensors (Note [Borrow plans] in ``exchange/borrow.py``)."""
+    containers: list[Any] = []
+    entries: list[tuple[Any, str, Any]] = []
+    for m in module.modules():
+        for d in (m._modules, m._parameters, m._buffers):
+            containers.append(d)
+            entries += [(d, name, obj) for name, obj in d.items()]
+    return containers, entries
+
+
 def check() -> None:
     """Checks what cannot be looked up by name (attributes of live objects) and the version;
     raises TorchVersionError or warns UntestedTorchWarning (Note [Torch internals])."""
+    try:
+        module_structure(torch.nn.Linear(1, 1))
+    except AttributeError as e:
+        _lookup(f"torch.nn.Module.{e.name}")  # raises, naming it
     typed = torch.zeros(1)._typed_storage()
     for obj, attr in ((typed, "_untyped_storage"), (typed._untyped_storage, "_cdata")):
         if not hasattr(obj, attr):

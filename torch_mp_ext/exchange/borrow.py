@@ -33,6 +33,7 @@ dead-holder reclaim.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import weakref
 from collections.abc import Mapping
@@ -41,13 +42,18 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from .. import torch_internals as _internals
 from ..errors import BorrowedWriteError
 from ..sharing import memory as _memory
 from .layout import Entry
 
-__all__ = ["borrow", "borrow_into", "release", "unbind", "bump_versions", "contiguous_strides"]
+__all__ = ["borrow", "borrow_into", "release", "unbind", "bump_versions", "contiguous_strides",
+           "places"]
 
 logger = logging.getLogger("torch_mp_ext.exchange")
+_VERSION = operator.attrgetter("_version")
+_DTYPE = operator.attrgetter("dtype")
+_IS_CPU = operator.attrgetter("is_cpu")
 
 
 class StateDictChannel(Protocol):
@@ -57,8 +63,12 @@ class StateDictChannel(Protocol):
     _entries: list[Entry]
     _label: str
     _watch: Any  # its PublisherWatch
-    # id(tensor) -> (weakref, autograd version) of tensors bound to a borrowed version
-    _borrowed: dict[int, tuple[weakref.ref[torch.Tensor], int]]
+    # id(tensor) -> (weakref, its plan's versions, index in them) of tensors bound to a
+    # borrowed version: the autograd version each had when last rebound
+    _borrowed: dict[int, tuple[weakref.ref[torch.Tensor], list[int], int]]
+    _plans: weakref.WeakKeyDictionary  # module -> its _Plan (Note [Borrow plans])
+    _places: list[tuple[int, tuple[int, ...], tuple[int, ...]]]  # places(_entries)
+    _bases: dict[int, np.ndarray]  # buffer index -> a uint8 array over the buffer
 
     def _check(self, status: int, newer_than: int, timeout: float | None) -> None: ...
 
@@ -78,35 +88,93 @@ def _unpin(raw: Any, index: int, slot: int, version: int, pid: int, label: str) 
 
 
 def _pin(ch: StateDictChannel, newer_than: int, multiple_of: int,
-         timeout: float | None) -> tuple[int, dict[str, torch.Tensor]]:
-    """Pins the newest version above ``newer_than``: ``(version, views of it)``."""
+         timeout: float | None) -> tuple[int, torch.UntypedStorage]:
+    """Pins the newest version above ``newer_than``: ``(version, a storage over it)``."""
     raw = ch._channel
     ch._watch.ensure()
     status, index, slot, version, _ = raw.begin_read(newer_than, multiple_of, timeout)
     ch._check(status, newer_than, timeout)
     try:
-        array = _memory.array_from_block(raw.block, raw.buffer_offset(index),
-                                         (raw.buffer_bytes,), np.dtype(np.uint8), None)
+        base = ch._bases.get(index)
+        if base is None:  # one array over each buffer, made once
+            base = ch._bases[index] = _memory.array_from_block(
+                raw.block, raw.buffer_offset(index), (raw.buffer_bytes,), np.dtype(np.uint8),
+                None)
+        array = base[:]  # this borrow's own view: its death unpins (Note [Pin lifetime])
         storage = torch.from_numpy(array).untyped_storage()
     except BaseException:
         raw.end_read(index, slot, version)
         raise
     weakref.finalize(array, _unpin, raw, index, slot, version, os.getpid(), ch._label)
-    del array  # from here on the storage alone keeps the pin (Note [Pin lifetime])
-    views = {}
-    for e in ch._entries:
-        if e.nbytes == 0:
-            views[e.key] = torch.empty(e.shape, dtype=e.dtype)
-            continue
-        views[e.key] = torch.empty(0, dtype=e.dtype).set_(
-            storage, e.offset // _itemsize(e.dtype), e.shape, contiguous_strides(e.shape))
-    return version, views
+    return version, storage  # from here on the storage alone keeps the pin
+
+
+def places(entries: list[Entry]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """``(offset in elements, shape, strides)`` of each entry in a buffer: ``set_``'s
+    arguments (the channel computes them once)."""
+    return [(e.offset // _itemsize(e.dtype), e.shape, contiguous_strides(e.shape))
+            for e in entries]
 
 
 def borrow(ch: StateDictChannel, newer_than: int, multiple_of: int,
            timeout: float | None) -> tuple[int, dict[str, torch.Tensor]]:
     """``(version, state_dict)`` of views of the pinned version (StateDictChannel.borrow)."""
-    return _pin(ch, newer_than, multiple_of, timeout)
+    version, storage = _pin(ch, newer_than, multiple_of, timeout)
+    return version, {e.key: torch.empty(0, dtype=e.dtype).set_(storage, *place)
+                     for e, place in zip(ch._entries, ch._places)}
+
+
+class _Plan:
+    """How to rebind one target's tensors, kept between versions (Note [Borrow plans]).
+
+    Note [Borrow plans]
+    Taking a version rebinds every tensor of the model, and a collector does it once per
+    version, woken with cold caches among many collectors on few cores: so the checks that
+    find the model's tensors (``state_dict(keep_vars=True)``, the keys, shapes, dtypes,
+    devices) run once per model, and later versions only confirm that the module tree is
+    the same objects -- every child, parameter and buffer container with the same length
+    and the same entries (``torch_internals.module_structure``) -- and that no tensor
+    changed dtype or device (``model.half()`` keeps the Parameter objects). Then each
+    tensor is rebound by one ``set_`` (which also bumps its autograd version), and a
+    borrow costs a few microseconds per tensor. A model whose tree changed is planned
+    again from its state_dict; a state_dict target (a dict cannot be weakly keyed) is
+    planned on every call.
+    """
+
+    __slots__ = ("tensors", "dtypes", "versions", "containers", "lengths", "dicts", "names",
+                 "objects")
+
+    def __init__(self, ch: StateDictChannel, target: Any) -> None:
+        self.tensors = _live_tensors(ch, target, "borrow_into")
+        _check_writes(ch, self.tensors, "borrow_into")  # against the registrations so far
+        self.dtypes = [t.dtype for t in self.tensors]
+        self.versions = list(map(_VERSION, self.tensors))  # after the last rebinding
+        _forget_dead(ch)
+        for i, t in enumerate(self.tensors):  # the versions list, not the plan: a plan
+            ch._borrowed[id(t)] = (weakref.ref(t), self.versions, i)  # holds its tensors
+        containers, entries = ([], []) if not isinstance(
+            target, torch.nn.Module) else _internals.module_structure(target)
+        self.containers = containers
+        self.lengths = list(map(len, containers))
+        self.dicts, self.names, self.objects = (
+            [list(x) for x in zip(*entries)] if entries else ([], [], []))
+
+    def fits(self) -> bool:
+        """The target still has these tensors, with the dtypes and device planned (loops
+        in C: Note [Borrow plans])."""
+        return (list(map(len, self.containers)) == self.lengths
+                and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.objects))
+                and list(map(_DTYPE, self.tensors)) == self.dtypes
+                and all(map(_IS_CPU, self.tensors)))
+
+
+def _plan(ch: StateDictChannel, target: Any) -> _Plan:
+    if not isinstance(target, torch.nn.Module):
+        return _Plan(ch, target)
+    plan = ch._plans.get(target)
+    if plan is None or not plan.fits():
+        plan = ch._plans[target] = _Plan(ch, target)
+    return plan
 
 
 def _live_tensors(ch: StateDictChannel, target: Any, verb: str) -> list[torch.Tensor]:
@@ -142,9 +210,10 @@ def _check_writes(ch: StateDictChannel, tensors: list[torch.Tensor], verb: str) 
         seen = ch._borrowed.get(id(t))
         if seen is None or seen[0]() is not t:
             continue
-        if t._version != seen[1]:
+        _, versions, i = seen
+        if t._version != versions[i]:
             written.append(e.key)
-            ch._borrowed[id(t)] = (seen[0], t._version)  # reported once
+            versions[i] = t._version  # reported once
     if written:
         raise BorrowedWriteError(
             f"{verb}: {written} were written in place while they viewed a version borrowed "
@@ -156,23 +225,21 @@ def _check_writes(ch: StateDictChannel, tensors: list[torch.Tensor], verb: str) 
 
 
 def _forget_dead(ch: StateDictChannel) -> None:
-    for key in [k for k, (ref, _) in ch._borrowed.items() if ref() is None]:
+    for key in [k for k, (ref, _, _) in ch._borrowed.items() if ref() is None]:
         del ch._borrowed[key]
 
 
 def borrow_into(ch: StateDictChannel, target: Any, newer_than: int, multiple_of: int,
                 timeout: float | None) -> int:
     """Rebinds ``target``'s tensors to views of the newest version (``borrow_into``)."""
-    tensors = _live_tensors(ch, target, "borrow_into")
-    _check_writes(ch, tensors, "borrow_into")
-    version, views = _pin(ch, newer_than, multiple_of, timeout)
+    plan = _plan(ch, target)
+    if list(map(_VERSION, plan.tensors)) != plan.versions:  # written in place?
+        _check_writes(ch, plan.tensors, "borrow_into")
+    version, storage = _pin(ch, newer_than, multiple_of, timeout)
     with torch.no_grad():
-        for e, t in zip(ch._entries, tensors):
-            t.data = views[e.key]  # O(1): the same Parameter, now over the pinned buffer
-    bump_versions(tensors)
-    _forget_dead(ch)
-    for t in tensors:
-        ch._borrowed[id(t)] = (weakref.ref(t), t._version)
+        for t, place in zip(plan.tensors, ch._places):
+            t.set_(storage, *place)  # O(1), and bumps the autograd version (Note [Borrow plans])
+    plan.versions[:] = map(_VERSION, plan.tensors)
     return version
 
 
@@ -180,6 +247,7 @@ def release(ch: StateDictChannel, target: Any) -> bool:
     """Gives ``target`` private copies of its borrowed tensors (StateDictChannel.release)."""
     tensors = _live_tensors(ch, target, "release")
     _check_writes(ch, tensors, "release")
+    ch._plans.clear()  # a later borrow_into plans (and registers) afresh
     moved = False
     with torch.no_grad():
         for t in tensors:
@@ -206,6 +274,7 @@ def unbind(ch: StateDictChannel, target: Any) -> None:
             if seen is None or seen[0]() is not t:
                 continue
             del ch._borrowed[id(t)]
+            ch._plans.clear()  # a later borrow_into plans (and registers) afresh
             t.data = torch.empty_like(t)
 
 

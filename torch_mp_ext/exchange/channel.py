@@ -33,6 +33,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -121,8 +122,11 @@ class StateDictChannel:
         self._label = f"channel {name!r}"
         self._publish_lock = threading.Lock()
         self._views: dict[int, dict[str, torch.Tensor]] = {}
-        # id(tensor) -> (weakref, autograd version) of tensors bound to a borrowed version
-        self._borrowed: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        # id(tensor) -> (weakref, plan, index) of tensors bound to a borrowed version
+        self._borrowed: dict[int, tuple] = {}
+        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Note [Borrow plans]
+        self._places = _borrow.places(entries)
+        self._bases: dict[int, Any] = {}  # buffer index -> a uint8 array over it
         self._watch = PublisherWatch(channel, name)
         weakref.finalize(self, self._watch.close)
 
