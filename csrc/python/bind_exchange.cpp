@@ -1,7 +1,10 @@
 // The latest-value channel (Note [Latest-value channel] in exchange/latest.h).
 #include <pybind11/stl.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <string>
 
 #include "exchange/latest.h"
 #include "platform/process.h"
@@ -22,6 +25,38 @@ constexpr double WAIT_SLICE_S = 0.05;
 struct PyLatestChannel {
   py::object block;  // the _C.Block holding the memory
   LatestChannel channel;
+  char* base;  // the Block's first byte (buffer offsets count from it)
+};
+
+/// One borrowed version (Note [Pin lifetime] in torch_mp_ext/exchange/borrow.py): exports
+/// its buffer's bytes (the buffer protocol: torch.frombuffer wraps it in a storage that
+/// holds it) and unpins when its last reference goes -- in the process that pinned it only
+/// (a forked copy leaves the pin to its parent).
+struct PyPin {
+  py::object owner;  // the LatestChannel (and so the mapping) stays alive while pinned
+  PyLatestChannel* channel;
+  ReadTicket ticket;
+  pid_t pid;
+  std::string label;
+
+  PyPin(py::object o, PyLatestChannel* c, const ReadTicket& t, std::string l)
+      : owner(std::move(o)), channel(c), ticket(t), pid(::getpid()), label(std::move(l)) {}
+  PyPin(const PyPin&) = delete;
+  PyPin& operator=(const PyPin&) = delete;
+
+  ~PyPin() {
+    if (::getpid() != pid || channel->channel.end_read(ticket)) return;
+    // Cannot happen unless a writer judged this live process dead (Note [Latest-value
+    // channel]); a destructor cannot raise, so it is logged, loudly.
+    try {
+      py::module_::import("logging").attr("getLogger")("torch_mp_ext.exchange").attr("error")(
+          "version %d of %s changed while process %d borrowed it: a writer misjudged this "
+          "process dead; borrowed weights may have been torn",
+          ticket.version, label, static_cast<long>(pid));
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("torch_mp_ext Pin.__del__");
+    }
+  }
 };
 
 /// Runs `step(slice_deadline)` without the GIL until it answers something else than a
@@ -46,6 +81,16 @@ std::vector<CopySpan> to_spans(const std::vector<std::tuple<uint64_t, uintptr_t,
 }  // namespace
 
 void init_exchange(py::module_& m) {
+  py::class_<PyPin>(m, "Pin", py::buffer_protocol(), R"pbdoc(
+    A pinned version of a LatestChannel (LatestChannel.pin): its buffer's bytes, writable
+    (read-only by contract), unpinned when the last reference goes.
+  )pbdoc")
+      .def_buffer([](PyPin& p) -> py::buffer_info {
+        auto* data = p.channel->base + p.channel->channel.buffer_offset(p.ticket.index);
+        auto n = static_cast<py::ssize_t>(p.channel->channel.buffer_bytes());
+        return py::buffer_info(data, 1, py::format_descriptor<uint8_t>::format(), 1, {n}, {1});
+      })
+      .def_property_readonly("version", [](const PyPin& p) { return p.ticket.version; });
   using Spans = std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>;
   py::class_<PyLatestChannel>(m, "LatestChannel", R"pbdoc(
     A versioned latest-value channel laid out in a shared-memory Block: one writer, many
@@ -55,7 +100,8 @@ void init_exchange(py::module_& m) {
       .def(py::init([](py::object block, uint32_t nbuffers, uint64_t buffer_bytes, bool create) {
              auto& ref = block.cast<BlockRef&>();
              return new PyLatestChannel{
-                 block, LatestChannel(ref.data(), ref.capacity(), nbuffers, buffer_bytes, create)};
+                 block, LatestChannel(ref.data(), ref.capacity(), nbuffers, buffer_bytes, create),
+                 ref.data()};
            }),
            py::arg("block"), py::arg("nbuffers"), py::arg("buffer_bytes"), py::arg("create"))
       .def_static("required_bytes", &LatestChannel::required_bytes, py::arg("nbuffers"),
@@ -103,6 +149,23 @@ void init_exchange(py::module_& m) {
           },
           py::arg("newer_than"), py::arg("multiple_of"), py::arg("timeout"),
           R"pbdoc((status, index, slot, version, published_ns): pins the newest matching version.)pbdoc")
+      .def(
+          "pin",
+          [](py::object self, int64_t newer_than, uint64_t multiple_of, const py::object& timeout,
+             std::string label) -> py::tuple {
+            auto& c = self.cast<PyLatestChannel&>();
+            ReadTicket t;
+            LatestStatus st = sliced(timeout, [&](const Deadline& d) {
+              return c.channel.begin_read(newer_than, std::max<uint64_t>(multiple_of, 1), d, &t);
+            });
+            if (st != LatestStatus::Ok) return py::make_tuple(static_cast<int>(st), 0, py::none());
+            // Nothing can throw between the pin and its owner: the Pin unpins when it goes.
+            return py::make_tuple(0, t.version, py::cast(new PyPin(self, &c, t, std::move(label)),
+                                                         py::return_value_policy::take_ownership));
+          },
+          py::arg("newer_than"), py::arg("multiple_of"), py::arg("timeout"), py::arg("label"),
+          R"pbdoc((status, version, Pin or None): begin_read whose ticket is a Pin, a buffer
+          of the version's bytes that unpins when its last reference goes.)pbdoc")
       .def(
           "end_read",
           [](PyLatestChannel& c, uint32_t index, uint32_t slot, uint64_t version) {

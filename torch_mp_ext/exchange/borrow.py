@@ -17,40 +17,35 @@ bound the shared memory, however many collectors borrow (Note [Borrowed versions
 ``csrc/exchange/latest.h``).
 
 Note [Pin lifetime]
-A borrow pins one buffer (a reader slot: ``begin_read`` without the copy) and wraps the
-buffer in a storage of its own: a uint8 numpy array over the block, then
-``torch.from_numpy``; every tensor of the borrowed version is a view of that storage. The
-storage holds the array, and ``weakref.finalize(array)`` unpins: the pin lasts exactly as
-long as any view of the version lives -- in the model, in a state_dict the caller kept, in
-an autograd graph that saved a weight -- and no longer. So taking the next version costs
-no copy and needs no bookkeeping of who still looks at the old one: rebinding the model
-drops the old views, the old storage dies with its last view, and its pin goes. Only the
-pinning process unpins: a forked child inherits the views but not the reader slot (the
-finalizer checks the pid), and a process that dies holding a pin leaves it to the writer's
-dead-holder reclaim.
+A borrow pins one buffer (a reader slot: ``begin_read`` without the copy) as a ``_C.Pin``:
+an object that exports the buffer's bytes and unpins when its last reference goes. The
+pin is wrapped in a storage of its own (``torch.frombuffer``, whose storage holds the
+object it was made from), and every tensor of the borrowed version is a view of that
+storage: the pin lasts exactly as long as any view of the version lives -- in the model, in
+a state_dict the caller kept, in an autograd graph that saved a weight -- and no longer. So
+taking the next version costs no copy and needs no bookkeeping of who still looks at the
+old one: rebinding the model drops the old views, the old storage dies with its last view,
+and its pin goes, without a line of Python. Only the pinning process unpins: a forked child
+inherits the views but not the reader slot (the pin checks the pid), and a process that
+dies holding a pin leaves it to the writer's dead-holder reclaim.
 """
 
 from __future__ import annotations
 
-import logging
 import operator
-import os
 import weakref
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from .. import torch_internals as _internals
 from ..errors import BorrowedWriteError
-from ..sharing import memory as _memory
 from .layout import Entry
 
 __all__ = ["borrow", "borrow_into", "release", "unbind", "bump_versions", "contiguous_strides",
            "places"]
 
-logger = logging.getLogger("torch_mp_ext.exchange")
 _VERSION = operator.attrgetter("_version")
 _DTYPE = operator.attrgetter("dtype")
 _IS_CPU = operator.attrgetter("is_cpu")
@@ -68,45 +63,23 @@ class StateDictChannel(Protocol):
     _borrowed: dict[int, tuple[weakref.ref[torch.Tensor], list[int], int]]
     _plans: weakref.WeakKeyDictionary  # module -> its _Plan (Note [Borrow plans])
     _places: list[tuple[int, tuple[int, ...], tuple[int, ...]]]  # places(_entries)
-    _bases: dict[int, np.ndarray]  # buffer index -> a uint8 array over the buffer
 
     def _check(self, status: int, newer_than: int, timeout: float | None) -> None: ...
 
     def _match(self, state: Mapping, verb: str) -> list[torch.Tensor]: ...
 
 
-def _unpin(raw: Any, index: int, slot: int, version: int, pid: int, label: str) -> None:
-    """Note [Pin lifetime]: runs when the last view of a borrowed version dies."""
-    if os.getpid() != pid:
-        return  # a forked copy of the views: the pin is the parent's
-    if not raw.end_read(index, slot, version):
-        # Cannot happen unless a writer judged this live process dead (Note [Latest-value
-        # channel]); a finalizer cannot raise, so it is logged, loudly.
-        logger.error("version %d of %s changed while process %d borrowed it: a writer "
-                     "misjudged this process dead; borrowed weights may have been torn",
-                     version, label, pid)
-
-
 def _pin(ch: StateDictChannel, newer_than: int, multiple_of: int,
          timeout: float | None) -> tuple[int, torch.UntypedStorage]:
     """Pins the newest version above ``newer_than``: ``(version, a storage over it)``."""
-    raw = ch._channel
     ch._watch.ensure()
-    status, index, slot, version, _ = raw.begin_read(newer_than, multiple_of, timeout)
-    ch._check(status, newer_than, timeout)
-    try:
-        base = ch._bases.get(index)
-        if base is None:  # one array over each buffer, made once
-            base = ch._bases[index] = _memory.array_from_block(
-                raw.block, raw.buffer_offset(index), (raw.buffer_bytes,), np.dtype(np.uint8),
-                None)
-        array = base[:]  # this borrow's own view: its death unpins (Note [Pin lifetime])
-        storage = torch.from_numpy(array).untyped_storage()
-    except BaseException:
-        raw.end_read(index, slot, version)
-        raise
-    weakref.finalize(array, _unpin, raw, index, slot, version, os.getpid(), ch._label)
-    return version, storage  # from here on the storage alone keeps the pin
+    status, version, pin = ch._channel.pin(newer_than, multiple_of, timeout, ch._label)
+    if pin is None:
+        ch._check(status, newer_than, timeout)  # raises, naming the cause
+    if ch._channel.buffer_bytes == 0:  # nothing to view (every tensor is empty)
+        return version, torch.UntypedStorage(0)
+    # the storage holds the pin, and the pin goes with the storage (Note [Pin lifetime])
+    return version, torch.frombuffer(pin, dtype=torch.uint8).untyped_storage()
 
 
 def places(entries: list[Entry]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:

@@ -33,7 +33,6 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -126,7 +125,6 @@ class StateDictChannel:
         self._borrowed: dict[int, tuple] = {}
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Note [Borrow plans]
         self._places = _borrow.places(entries)
-        self._bases: dict[int, Any] = {}  # buffer index -> a uint8 array over it
         self._watch = PublisherWatch(channel, name)
         weakref.finalize(self, self._watch.close)
 
