@@ -321,7 +321,9 @@ def footprint(name: str, nbytes: int, collectors: int) -> tuple[int, int]:
     snapshot in shared memory, two in flight; gloo's copies)."""
     interpreter = 300 << 20  # one Python with torch imported
     procs = (collectors + 1) * interpreter
-    if name in (ZERO, COPY):
+    if name == ZERO:  # collectors' own weights: never written (skip_init), freed at the
+        return procs + nbytes, 3 * nbytes  # first borrow
+    if name == COPY:
         return procs + (collectors + 1) * nbytes, 3 * nbytes
     if name == QUEUE:
         return procs + (collectors + 1) * nbytes, 2 * nbytes
@@ -405,7 +407,7 @@ def run_config(mbytes: int, collectors: int, repeats: int, wrong: list, skipped:
     publish: list[float] = []
     names = [n for n in only if fits([n], nbytes, collectors)]
     skipped += [(n, mbytes, collectors) for n in only if n not in names]
-    groups = [names] if fits(names, nbytes, collectors) else [[n] for n in names]
+    groups = [names] if names and fits(names, nbytes, collectors) else [[n] for n in names]
     for group in groups:
         run_group(group, mbytes, collectors, repeats, samples, publish, wrong)
         print(f"  {mbytes} MB, {collectors} collectors: {', '.join(group)} done",

@@ -27,14 +27,15 @@ if __name__ == "__mp_main__":  # a spawn child, importing its main module
     time.sleep(120)  # killed here
 
 
-def child(q, t, simple):
+def child(q, t, simple, ch):
     q.put(float(t.sum()))
 
 
 if __name__ == "__main__":
     ctx = mp.get_context("spawn")
     q, simple, t = ctx.Queue(), ctx.SimpleQueue(), mp.zeros(1 << 16)
-    p = ctx.Process(target=child, args=(q, t, simple))
+    ch = mp.StateDictChannel({"w": t})
+    p = ctx.Process(target=child, args=(q, t, simple, ch))
     p.start()
     if MODE == "kill":
         deadline = time.monotonic() + 60
@@ -46,7 +47,7 @@ if __name__ == "__main__":
     p.join(60)
     code = p.exitcode
     p.close()
-    del p, q, simple, t
+    del p, q, simple, t, ch
     gc.collect()
     mp.empty_cache()
     stats = memory_stats()

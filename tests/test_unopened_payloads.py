@@ -20,9 +20,10 @@ SCRIPT = Path(__file__).resolve().parent / "_unopened_script.py"
 
 @pytest.mark.parametrize("mode", [pytest.param("kill", marks=pytest.mark.slow), "raise"])
 def test_a_child_that_never_opened_its_payload_leaves_no_reference(mode, tmp_path):
-    # The child holds a Queue, a SimpleQueue and an arena tensor in its payload. Killed while
-    # it imports the main module (or failing to), it never unpickles them; the parent, once it
-    # drops its own, must have no live block left (before: the two rings and the tensor).
+    # The child holds a Queue, a SimpleQueue, an arena tensor and a StateDictChannel in its
+    # payload. Killed while it imports the main module (or failing to), it never unpickles
+    # them; the parent, once it drops its own, must have no live block left (before: the two
+    # rings, the tensor and the channel).
     out = subprocess.run([sys.executable, str(SCRIPT), mode, str(tmp_path / "flag")],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr

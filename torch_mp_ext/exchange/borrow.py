@@ -2,7 +2,7 @@
 
 A collector that borrows a version pins its buffer and makes its model's parameters and
 buffers views of it; taking the next version pins the new buffer and rebinds the same
-tensors (``.data``, O(1) each), whatever the size of the state::
+tensors (one ``set_`` each: Note [Borrow plans]), whatever the size of the state::
 
       learner                    channel buffers (shared memory)         collector's model
   ch.publish(model) ──copy──▶  ┌──────────┬──────────┬──────────┐

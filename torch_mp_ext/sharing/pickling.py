@@ -323,6 +323,7 @@ DROPPERS = {
     ("torch_mp_ext.reductions", "rebuild_cpu_tensor"): _drop_handle_first,
     ("torch_mp_ext.reductions", "rebuild_array"): _drop_handle_first,
     ("torch_mp_ext.data.containers", "rebuild_shared"): _drop_handle_first,
+    ("torch_mp_ext.exchange.channel", "_rebuild"): _drop_handle_first,
 }
 
 
