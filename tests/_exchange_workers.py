@@ -8,6 +8,7 @@ import time
 import torch
 
 import torch_mp_ext as mp
+from torch_mp_ext.sharing import memory
 from torch_mp_ext.exchange import (
     Context,
     ContextExchanger,
@@ -481,16 +482,19 @@ def relay_learner(versions, kill_after, go, out):
 
 def relay_collector(channel, context_channel, out, index):
     """A process on the relay's host: reads until finished, sending its index up as its
-    trajectories; reports the reads, the learner's newest train_iter and how it ended."""
+    trajectories; reports the reads, the learner's newest train_iter and how it ended.
+    Collector 1 reads in place (copy=False): one copy per host, then none."""
     state = big_state(4 << 20)
-    models = ModelExchanger(_Stateful(state), role="collector", channel=channel, timeout=30)
+    models = ModelExchanger(_Stateful(state), role="collector", channel=channel, timeout=30,
+                            copy=index != 1)
     contexts = ContextExchanger(role="collector", channel=context_channel, timeout=30)
     reads, end, ctx = [], "finished", Context(train_iter=-1)
     try:
         while not models.finished:
             v = models.receive()
             if v is not None:
-                reads.append((v, uniform_value(state)))
+                views = memory.in_block(state["t00"].data_ptr(), 4)  # the host's channel
+                reads.append((v, uniform_value(state), views))
             contexts.receive(ctx)  # total_step 0: takes what is there, does not wait
             ctx.trajectories = [index]
             contexts.send(ctx)

@@ -50,17 +50,19 @@ def test_relay_republishes_whole_versions_and_relays_contexts():
     assert relay == ("relay", 19, "finished")
     assert learner == [("learner", [0, 1])]  # contexts came up through the relay
     assert [index for index, _, _ in collectors] == [0, 1]
-    for _, reads, end in collectors:
-        versions = [v for v, _ in reads]
+    for index, reads, end in collectors:
+        versions = [v for v, _, _ in reads]
         assert end == "finished"
-        assert all(value == v for v, value in reads), reads  # one whole version each
+        assert all(value == v for v, value, _ in reads), reads  # one whole version each
         assert versions == sorted(set(versions)) and versions[-1] == 19
+        # collector 1 reads in place: its state views the host's channel, never a copy
+        assert [views for _, _, views in reads] == [index == 1] * len(reads)
 
 
 def test_a_killed_learner_is_a_peer_death_for_the_relay_and_its_collectors():
     exits, relay, collectors, _ = _run(kill_after=3)
     assert exits[0] == -signal.SIGKILL
     assert relay[2] == "PeerDiedError" and relay[1] >= 0
-    for _, reads, end in collectors:
+    for _, reads, end in collectors:  # collector 1 reading in place too
         assert end == "PeerDiedError", (reads, end)  # never a normal finish
-        assert all(value == v for v, value in reads)
+        assert all(value == v for v, value, _ in reads)

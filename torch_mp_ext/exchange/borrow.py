@@ -110,8 +110,9 @@ class _Plan:
     changed dtype or device (``model.half()`` keeps the Parameter objects). Then each
     tensor is rebound by one ``set_`` (which also bumps its autograd version), and a
     borrow costs a few microseconds per tensor. A model whose tree changed is planned
-    again from its state_dict; a state_dict target (a dict cannot be weakly keyed) is
-    planned on every call.
+    again from its state_dict. Planned on every call instead: a state_dict target (a dict
+    cannot be weakly keyed), and a module whose ``state_dict()`` returns tensors it did not
+    register as parameters or buffers (its own override: the tree says nothing of them).
     """
 
     __slots__ = ("tensors", "dtypes", "versions", "containers", "lengths", "dicts", "names",
@@ -142,11 +143,12 @@ class _Plan:
 
 
 def _plan(ch: StateDictChannel, target: Any) -> _Plan:
-    if not isinstance(target, torch.nn.Module):
-        return _Plan(ch, target)
-    plan = ch._plans.get(target)
+    plan = ch._plans.get(target) if isinstance(target, torch.nn.Module) else None
     if plan is None or not plan.fits():
-        plan = ch._plans[target] = _Plan(ch, target)
+        plan = _Plan(ch, target)
+        registered = {id(obj) for obj in plan.objects}
+        if plan.containers and all(id(t) in registered for t in plan.tensors):
+            ch._plans[target] = plan  # else a state_dict of other tensors: planned each time
     return plan
 
 

@@ -165,6 +165,23 @@ class HostChannel:
             self.check_peer()  # a learner's death closes the channel too: not a finish
             raise
 
+    def borrow_into(self, target: Any, newer_than: int = -1, *, multiple_of: int = 1,
+                    timeout: float | None = None) -> int:
+        try:
+            return self.channel.borrow_into(target, newer_than, multiple_of=multiple_of,
+                                            timeout=timeout)
+        except ChannelClosedError:
+            self.check_peer()  # a learner's death closes the channel too: not a finish
+            raise
+
+    def borrow(self, newer_than: int = -1, *, multiple_of: int = 1,
+               timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        try:
+            return self.channel.borrow(newer_than, multiple_of=multiple_of, timeout=timeout)
+        except ChannelClosedError:
+            self.check_peer()  # a learner's death closes the channel too: not a finish
+            raise
+
     def read(self, newer_than: int = -1, *, multiple_of: int = 1,
              timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         try:
