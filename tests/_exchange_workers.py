@@ -8,7 +8,6 @@ import time
 import torch
 
 import torch_mp_ext as mp
-from torch_mp_ext.sharing import memory
 from torch_mp_ext.exchange import (
     Context,
     ContextExchanger,
@@ -16,6 +15,7 @@ from torch_mp_ext.exchange import (
     PeriodicalModelExchanger,
     run_step,
 )
+from torch_mp_ext.sharing import memory
 
 STEPS = 12  # collector steps in the toy loop
 
