@@ -129,8 +129,6 @@ class Pin:
     """A pinned version of a LatestChannel: its buffer's bytes (the buffer protocol),
     unpinned when the last reference goes (Note [Pin lifetime])."""
 
-    @property
-    def version(self) -> int: ...
     def __buffer__(self, flags: int) -> memoryview: ...
 
 class LatestChannel:

@@ -89,8 +89,7 @@ void init_exchange(py::module_& m) {
         auto* data = p.channel->base + p.channel->channel.buffer_offset(p.ticket.index);
         auto n = static_cast<py::ssize_t>(p.channel->channel.buffer_bytes());
         return py::buffer_info(data, 1, py::format_descriptor<uint8_t>::format(), 1, {n}, {1});
-      })
-      .def_property_readonly("version", [](const PyPin& p) { return p.ticket.version; });
+      });
   using Spans = std::vector<std::tuple<uint64_t, uintptr_t, uint64_t>>;
   py::class_<PyLatestChannel>(m, "LatestChannel", R"pbdoc(
     A versioned latest-value channel laid out in a shared-memory Block: one writer, many

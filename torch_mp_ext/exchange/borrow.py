@@ -241,6 +241,7 @@ def unbind(ch: StateDictChannel, target: Any) -> None:
         return
     state: Mapping[str, Any] = (target.state_dict(keep_vars=True)
                                 if isinstance(target, torch.nn.Module) else target)
+    unbound = False
     with torch.no_grad():
         for t in state.values():
             if not isinstance(t, torch.Tensor):
@@ -249,8 +250,10 @@ def unbind(ch: StateDictChannel, target: Any) -> None:
             if seen is None or seen[0]() is not t:
                 continue
             del ch._borrowed[id(t)]
-            ch._plans.clear()  # a later borrow_into plans (and registers) afresh
             t.data = torch.empty_like(t)
+            unbound = True
+    if unbound:
+        ch._plans.clear()  # a later borrow_into plans (and registers) afresh
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -121,7 +121,8 @@ class StateDictChannel:
         self._label = f"channel {name!r}"
         self._publish_lock = threading.Lock()
         self._views: dict[int, dict[str, torch.Tensor]] = {}
-        # id(tensor) -> (weakref, plan, index) of tensors bound to a borrowed version
+        # id(tensor) -> (weakref, its plan's versions, index) of tensors bound to a borrowed
+        # version (Note [Borrow plans])
         self._borrowed: dict[int, tuple] = {}
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Note [Borrow plans]
         self._places = _borrow.places(entries)

@@ -35,7 +35,9 @@ the relay started, holding :attr:`HostRelay.channel`) read like any shared-memor
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -148,47 +150,41 @@ class HostChannel:
         """True once the learner closed the exchange (not when it died: check_peer)."""
         return self.channel.closed and self._status.code()[0] == _FINISHED
 
+    @contextlib.contextmanager
+    def _closed_or_died(self) -> Iterator[None]:
+        """A read of the channel: its close may be the learner's death, not a finish."""
+        try:
+            yield
+        except ChannelClosedError:
+            self.check_peer()  # raises PeerDiedError if the learner died
+            raise
+
     def wait(self, newer_than: int = -1, *, multiple_of: int = 1,
              timeout: float | None = None) -> int:
-        try:
+        with self._closed_or_died():
             return self.channel.wait(newer_than, multiple_of=multiple_of, timeout=timeout)
-        except ChannelClosedError:
-            self.check_peer()  # a learner's death closes the channel too: not a finish
-            raise
 
     def read_into(self, target: Any, newer_than: int = -1, *, multiple_of: int = 1,
                   timeout: float | None = None) -> int:
-        try:
+        with self._closed_or_died():
             return self.channel.read_into(target, newer_than, multiple_of=multiple_of,
                                           timeout=timeout)
-        except ChannelClosedError:
-            self.check_peer()  # a learner's death closes the channel too: not a finish
-            raise
-
-    def borrow_into(self, target: Any, newer_than: int = -1, *, multiple_of: int = 1,
-                    timeout: float | None = None) -> int:
-        try:
-            return self.channel.borrow_into(target, newer_than, multiple_of=multiple_of,
-                                            timeout=timeout)
-        except ChannelClosedError:
-            self.check_peer()  # a learner's death closes the channel too: not a finish
-            raise
-
-    def borrow(self, newer_than: int = -1, *, multiple_of: int = 1,
-               timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-        try:
-            return self.channel.borrow(newer_than, multiple_of=multiple_of, timeout=timeout)
-        except ChannelClosedError:
-            self.check_peer()  # a learner's death closes the channel too: not a finish
-            raise
 
     def read(self, newer_than: int = -1, *, multiple_of: int = 1,
              timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-        try:
+        with self._closed_or_died():
             return self.channel.read(newer_than, multiple_of=multiple_of, timeout=timeout)
-        except ChannelClosedError:
-            self.check_peer()  # a learner's death closes the channel too: not a finish
-            raise
+
+    def borrow_into(self, target: Any, newer_than: int = -1, *, multiple_of: int = 1,
+                    timeout: float | None = None) -> int:
+        with self._closed_or_died():
+            return self.channel.borrow_into(target, newer_than, multiple_of=multiple_of,
+                                            timeout=timeout)
+
+    def borrow(self, newer_than: int = -1, *, multiple_of: int = 1,
+               timeout: float | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        with self._closed_or_died():
+            return self.channel.borrow(newer_than, multiple_of=multiple_of, timeout=timeout)
 
     def _claim_publisher(self) -> None:
         raise ValueError(f"{self.name!r} is a host relay's channel: the learner exchanges "
